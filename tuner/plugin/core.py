@@ -1,0 +1,187 @@
+"""The plugin's pure core: policy-table lookup and per-``(b, k)`` telemetry.
+
+Runs inside SGLang's scheduler processes (wrapped by the hooks) and inside the simulator's
+engine, so both execute exactly this code. Builtins only: no sglang, numpy or I/O. Not
+thread-safe by itself; SGLang calls it from one scheduler thread, the simulator under a lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from tuner.protocol import (
+    PROTOCOL_VERSION,
+    CounterRow,
+    DynspecState,
+    ProtocolError,
+    Table,
+    TableIndex,
+    decode_update,
+    validate_table,
+)
+
+__all__ = ["MAX_STEP_GAP_S", "PluginCore", "Telemetry"]
+
+# SGLang's own step counters ignore launch-to-launch gaps above 2 s (idle, not busy).
+MAX_STEP_GAP_S = 2.0
+
+
+class Telemetry:
+    """Cumulative counters keyed by ``(b, k)``, as protocol v1 defines them.
+
+    A decode step's busy time is the launch-to-launch gap to the next *contiguous* decode
+    launch (no other forward in between, gap <= ``MAX_STEP_GAP_S``). A step is therefore
+    committed to its row one step late, when that gap is known; a step whose successor is not
+    contiguous has no measurable duration and is counted in ``untimed_steps`` instead, so
+    every row's ``emitted / busy_s`` is an unbiased goodput.
+    """
+
+    __slots__ = ("_rows", "_pending", "untimed_steps")
+
+    def __init__(self) -> None:
+        # (b, k) -> [decode_steps, emitted, accepted, drafted, busy_s]
+        self._rows: dict[tuple[int, int], list[float]] = {}
+        self._pending: tuple[int, int, int, int, float, int] | None = None
+        self.untimed_steps = 0
+
+    def record(
+        self, b: int, k: int, emitted: int, accepted: int, launch_ts: float, forward_iter: int
+    ) -> None:
+        """Record one decode step. ``k`` is the arm it was *launched* with.
+
+        Args:
+            b: requests in the step.
+            k: draft steps the step was launched with (0 = no drafting).
+            emitted: tokens the step produced (accepted drafts + one per request).
+            accepted: accepted draft tokens.
+            launch_ts: monotonic launch time of the step, seconds.
+            forward_iter: the scheduler's forward counter at launch (contiguity check).
+        """
+        prev = self._pending
+        if prev is not None:
+            pb, pk, pe, pa, pts, pit = prev
+            gap = launch_ts - pts
+            if forward_iter == pit + 1 and 0.0 <= gap <= MAX_STEP_GAP_S:
+                row = self._rows.get((pb, pk))
+                if row is None:
+                    self._rows[(pb, pk)] = [1, pe, pa, pk * pb, gap]
+                else:
+                    row[0] += 1
+                    row[1] += pe
+                    row[2] += pa
+                    row[3] += pk * pb
+                    row[4] += gap
+            else:
+                self.untimed_steps += 1
+        self._pending = (b, k, emitted, accepted, launch_ts, forward_iter)
+
+    def rows(self) -> tuple[CounterRow, ...]:
+        return tuple(
+            CounterRow(b, k, int(r[0]), int(r[1]), int(r[2]), int(r[3]), float(r[4]))
+            for (b, k), r in sorted(self._rows.items())
+        )
+
+
+class PluginCore:
+    """The table a server decides by, its version, and its telemetry.
+
+    Args:
+        arms: the draft-step counts the server built runtime state for.
+        started_at: wall-clock start of the server (tells the daemon about restarts).
+        table: the initial table; defaults to one row using ``default_arm``.
+        default_arm: the arm for the default table; defaults to the largest arm.
+    """
+
+    def __init__(
+        self,
+        arms: Iterable[int],
+        *,
+        started_at: float,
+        table: Table | None = None,
+        default_arm: int | None = None,
+    ) -> None:
+        self.arms = tuple(sorted(set(int(a) for a in arms)))
+        if not self.arms or self.arms[0] < 0:
+            raise ValueError(f"arms must be a non-empty set of ints >= 0, got {self.arms}")
+        if default_arm is None:
+            default_arm = self.arms[-1]
+        if default_arm not in self.arms:
+            raise ValueError(f"default arm {default_arm} is not among arms {self.arms}")
+        self.started_at = float(started_at)
+        self.version = 0
+        self.updates_applied = 0
+        self.updates_rejected = 0
+        self.last_rejection: str | None = None
+        self.telemetry = Telemetry()
+        self._set_table(validate_table(table or ((None, default_arm),), self.arms))
+
+    def _set_table(self, table: Table) -> None:
+        # One assignment of a fully built index: a reader never sees a half-applied table.
+        self.table = table
+        self._index = TableIndex(table)
+
+    # --- hot path ---------------------------------------------------------------------------
+
+    def steps_for_batch(self, batch_size: int) -> int:
+        return self._index(batch_size)
+
+    def record_decode(
+        self, b: int, k: int, emitted: int, accepted: int, launch_ts: float, forward_iter: int
+    ) -> None:
+        self.telemetry.record(b, k, emitted, accepted, launch_ts, forward_iter)
+
+    # --- control path -----------------------------------------------------------------------
+
+    def apply_update(self, server_args: Mapping[str, Any]) -> tuple[bool, str | None]:
+        """Validate and apply the ``dynspec_*`` keys of an update atomically. Never raises.
+
+        Returns:
+            ``(True, None)`` when applied, else ``(False, reason)`` with nothing changed.
+        """
+        try:
+            table, version = decode_update(
+                server_args, arms=self.arms, current_version=self.version
+            )
+        except ProtocolError as exc:
+            return self._reject(str(exc))
+        except Exception as exc:  # hostile payloads must never escape into the scheduler
+            return self._reject(f"malformed update: {type(exc).__name__}: {exc}")
+        self._set_table(table)
+        self.version = version
+        self.updates_applied += 1
+        self.last_rejection = None
+        return True, None
+
+    def _reject(self, reason: str) -> tuple[bool, str]:
+        self.updates_rejected += 1
+        self.last_rejection = reason
+        return False, reason
+
+    def install(self, table: Table, version: int) -> None:
+        """Install a table at start (from a policy file). Raises ``ProtocolError`` if invalid."""
+        table = validate_table(table, self.arms)
+        if version < 0:
+            raise ProtocolError(f"version must be >= 0, got {version}")
+        self._set_table(table)
+        self.version = int(version)
+
+    def state(self, *, hooks_live: bool = True, reason: str | None = None) -> DynspecState:
+        return DynspecState(
+            arms=self.arms,
+            policy_version=self.version,
+            table=self.table,
+            counters=self.telemetry.rows(),
+            started_at=self.started_at,
+            updates_applied=self.updates_applied,
+            updates_rejected=self.updates_rejected,
+            hooks_live=hooks_live,
+            reason=reason,
+            untimed_steps=self.telemetry.untimed_steps,
+            last_rejection=self.last_rejection,
+            protocol=PROTOCOL_VERSION,
+        )
+
+    def readout(self, *, hooks_live: bool = True, reason: str | None = None) -> dict[str, Any]:
+        """The ``"dynspec"`` section, builtins only."""
+        return self.state(hooks_live=hooks_live, reason=reason).to_json()
