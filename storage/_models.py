@@ -1,0 +1,91 @@
+"""SQLAlchemy 2 typed models of the history database. Private: nothing here leaves storage/.
+
+Portable types only (SQLite and PostgreSQL): times are UTC epoch seconds as doubles, tables
+and arm lists are JSON text, counters are 64-bit integers.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from sqlalchemy import BigInteger, Double, ForeignKey, Index, Integer, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Bumped whenever a table changes shape; Storage refuses a database newer than it knows and
+# migrates older ones step by step (there is only version 1 so far).
+SCHEMA_VERSION = 1
+
+# SQLite only auto-increments an INTEGER PRIMARY KEY; PostgreSQL gets a BIGINT identity.
+_BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+pk = Annotated[int, mapped_column(_BigId, primary_key=True, autoincrement=True)]
+epoch_s = Annotated[float, mapped_column(Double)]
+counter = Annotated[int, mapped_column(BigInteger)]
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {str: String(255)}
+
+
+class SchemaVersionModel(Base):
+    __tablename__ = "schema_version"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    version: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[epoch_s]
+
+
+class ServerModel(Base):
+    __tablename__ = "servers"
+
+    id: Mapped[pk]
+    address: Mapped[str] = mapped_column(String(255), unique=True)
+    arms_json: Mapped[str] = mapped_column(Text)
+    first_seen: Mapped[epoch_s]
+    last_seen: Mapped[epoch_s]
+    started_at: Mapped[float | None] = mapped_column(Double)
+    # Every start time this server reported, JSON list: one entry per restart.
+    start_times_json: Mapped[str] = mapped_column(Text, default="[]")
+    pool: Mapped[str | None] = mapped_column(String(255))
+
+
+class ObservationModel(Base):
+    __tablename__ = "observations"
+    __table_args__ = (Index("ix_observations_server_ts", "server_id", "ts"),)
+
+    id: Mapped[pk]
+    server_id: Mapped[int] = mapped_column(ForeignKey("servers.id", ondelete="CASCADE"))
+    ts: Mapped[epoch_s]
+    b: Mapped[int] = mapped_column(Integer)
+    k: Mapped[int] = mapped_column(Integer)
+    decode_steps: Mapped[counter]
+    emitted_tokens: Mapped[counter]
+    accepted_drafts: Mapped[counter]
+    drafted_tokens: Mapped[counter]
+    busy_s: Mapped[float] = mapped_column(Double)
+
+
+class PolicyVersionModel(Base):
+    __tablename__ = "policy_versions"
+    __table_args__ = (Index("ix_policy_versions_server_ts", "server_id", "ts"),)
+
+    id: Mapped[pk]
+    server_id: Mapped[int] = mapped_column(ForeignKey("servers.id", ondelete="CASCADE"))
+    ts: Mapped[epoch_s]
+    version: Mapped[int] = mapped_column(BigInteger)
+    table_json: Mapped[str] = mapped_column(Text)
+    policy: Mapped[str] = mapped_column(String(64))
+    reason: Mapped[str] = mapped_column(Text)
+    outcome: Mapped[str] = mapped_column(String(32))
+
+
+class EventModel(Base):
+    __tablename__ = "events"
+    __table_args__ = (Index("ix_events_ts", "ts"),)
+
+    id: Mapped[pk]
+    # None for events of the daemon itself (e.g. the database coming back).
+    server_id: Mapped[int | None] = mapped_column(ForeignKey("servers.id", ondelete="CASCADE"))
+    ts: Mapped[epoch_s]
+    kind: Mapped[str] = mapped_column(String(32))
+    detail: Mapped[str] = mapped_column(Text, default="")

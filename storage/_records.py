@@ -1,0 +1,143 @@
+"""Frozen records going into and coming out of :class:`storage.Storage`.
+
+Servers are named by address everywhere (``host:port``); ids stay inside storage/.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = [
+    "EVENT_KINDS",
+    "EventRecord",
+    "ObservationAggregate",
+    "ObservationRecord",
+    "PolicyVersionRecord",
+    "ServerRecord",
+    "ServerSeen",
+]
+
+Table = tuple[tuple[int | None, int], ...]
+
+# Kinds the daemon writes. The column is free text (a later kind needs no migration);
+# ``EventRecord`` only checks the length.
+EVENT_KINDS = (
+    "start",
+    "stop",
+    "restart",
+    "outage",
+    "recovered",
+    "plugin_missing",
+    "malformed_reply",
+    "update_rejected",
+    "arms_changed",
+    "storage_outage",
+    "storage_recovered",
+)
+_MAX_KIND_LEN = 32
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSeen:
+    """One sighting of a server, written with a tick: keeps ``servers`` up to date.
+
+    A ``started_at`` not seen before is appended to the server's start times.
+    """
+
+    address: str
+    arms: tuple[int, ...]
+    seen_at: float
+    started_at: float | None = None
+    pool: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ServerRecord:
+    address: str
+    arms: tuple[int, ...]
+    first_seen: float
+    last_seen: float
+    started_at: float | None
+    start_times: tuple[float, ...]
+    pool: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ObservationRecord:
+    """What ``server`` did at one ``(b, k)`` over the interval ending at ``ts``."""
+
+    server: str
+    ts: float
+    b: int
+    k: int
+    decode_steps: int
+    emitted_tokens: int
+    accepted_drafts: int
+    drafted_tokens: int
+    busy_s: float
+
+    @property
+    def goodput(self) -> float:
+        return self.emitted_tokens / self.busy_s if self.busy_s > 0 else math.nan
+
+
+@dataclass(frozen=True, slots=True)
+class ObservationAggregate:
+    """Sums over all stored observations of one ``(server, b, k)``, computed in SQL."""
+
+    server: str
+    b: int
+    k: int
+    rows: int
+    decode_steps: int
+    emitted_tokens: int
+    accepted_drafts: int
+    drafted_tokens: int
+    busy_s: float
+    first_ts: float
+    last_ts: float
+
+    @property
+    def goodput(self) -> float:
+        """Emitted tokens per busy second."""
+        return self.emitted_tokens / self.busy_s if self.busy_s > 0 else math.nan
+
+    @property
+    def acceptance(self) -> float:
+        """Accepted drafts per drafted token (NaN when nothing was drafted)."""
+        return self.accepted_drafts / self.drafted_tokens if self.drafted_tokens else math.nan
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyVersionRecord:
+    """A table the daemon decided on for ``server``.
+
+    ``outcome``: ``applied`` (every replica said yes), ``rejected``, ``dry_run`` (never
+    sent), ``unsent`` (the server was unreachable).
+    """
+
+    server: str
+    ts: float
+    version: int
+    table: Table
+    policy: str
+    reason: str
+    outcome: str = "applied"
+
+
+@dataclass(frozen=True, slots=True)
+class EventRecord:
+    """Something worth remembering: a restart, an outage, a rejected update ...
+
+    ``server`` is None for events of the daemon itself.
+    """
+
+    server: str | None
+    ts: float
+    kind: str
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.kind or len(self.kind) > _MAX_KIND_LEN:
+            raise ValueError(f"event kind must be 1..{_MAX_KIND_LEN} characters: {self.kind!r}")

@@ -1,0 +1,591 @@
+"""The one storage class: SQLAlchemy 2 over SQLite (default) or PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event, func, insert, select
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from storage._models import (
+    SCHEMA_VERSION,
+    Base,
+    EventModel,
+    ObservationModel,
+    PolicyVersionModel,
+    SchemaVersionModel,
+    ServerModel,
+)
+from storage._records import (
+    EventRecord,
+    ObservationAggregate,
+    ObservationRecord,
+    PolicyVersionRecord,
+    ServerRecord,
+    ServerSeen,
+    Table,
+)
+from tuner.errors import StorageError
+
+__all__ = [
+    "DEFAULT_BUSY_TIMEOUT_S",
+    "DEFAULT_URL",
+    "DEFAULT_WARM_START_ROWS",
+    "Storage",
+    "redact_url",
+]
+
+_log = logging.getLogger(__name__)
+
+DEFAULT_URL = "sqlite:///dynspec.db"
+# How long a SQLite writer waits for another one before the write fails as "locked".
+DEFAULT_BUSY_TIMEOUT_S = 5.0
+# Warm start replays at most this many of a server's latest observations: with a discounted
+# policy older evidence weighs next to nothing, and the replay stays well under a second.
+DEFAULT_WARM_START_ROWS = 50_000
+
+_PASSWORD_IN_URL = re.compile(r"(://[^:/@]*:)[^@]*(@)")
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced by ``***`` (safe for logs and errors)."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # an unparsable URL still must not leak what looks like a password
+        return _PASSWORD_IN_URL.sub(r"\1***\2", url)
+
+
+def _explain(exc: BaseException) -> str:
+    """A short, human reason for a database failure (first line of the driver's message)."""
+    orig = getattr(exc, "orig", None) or exc
+    text = str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__
+    low = text.lower()
+    if "locked" in low or "could not obtain lock" in low:
+        return f"the database is locked by another writer ({text})"
+    if "readonly" in low or "read-only" in low or "read only" in low:
+        return f"the database is read-only ({text})"
+    if "unable to open" in low:
+        return f"cannot open the database file ({text})"
+    return text
+
+
+class Storage:
+    """History of servers, observations, policy versions and events.
+
+    Thread-safe: every method opens and closes its own session. Records returned are frozen
+    and never change after later writes. Every database failure surfaces as
+    :class:`~tuner.errors.StorageError` naming the URL with its password redacted.
+
+    Args:
+        url: an SQLAlchemy URL; SQLite files run in WAL mode so readers (reports) never
+            block the daemon's writes.
+        busy_timeout_s: how long a SQLite write waits for a competing writer.
+        read_only: for readers (reports, export): neither creates tables nor checks that
+            the database is writable.
+
+    Raises:
+        StorageError: the URL cannot be parsed or opened, its driver is missing, the file
+            is read-only or locked (unless ``read_only``), or its schema is newer than ours.
+    """
+
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        *,
+        busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S,
+        read_only: bool = False,
+        echo: bool = False,
+    ) -> None:
+        self._raw_url = url
+        self.url = redact_url(url)
+        self.read_only = read_only
+        self._engine = self._create_engine(url, busy_timeout_s, echo)
+        self._sessions = sessionmaker(self._engine, expire_on_commit=False)
+        try:
+            self._prepare()
+        except BaseException:
+            self._engine.dispose()
+            raise
+
+    # --- plumbing ---------------------------------------------------------------------------
+
+    def _error(self, what: str, exc: BaseException) -> StorageError:
+        msg = f"{self.url}: {what}: {_explain(exc)}"
+        password = None
+        try:
+            password = make_url(self._raw_url).password
+        except Exception:
+            pass
+        if password:
+            msg = msg.replace(str(password), "***")
+        return StorageError(msg)
+
+    def _create_engine(self, url: str, busy_timeout_s: float, echo: bool) -> Engine:
+        try:
+            parsed = make_url(url)
+        except ArgumentError as exc:
+            raise StorageError(f"{self.url}: not a database URL ({exc})") from exc
+        is_sqlite = parsed.get_backend_name() == "sqlite"
+        kwargs: dict[str, Any] = {"echo": echo}
+        if is_sqlite:
+            kwargs["connect_args"] = {"timeout": busy_timeout_s}
+        else:
+            kwargs["pool_pre_ping"] = True
+        try:
+            engine = create_engine(parsed, **kwargs)
+        except (SQLAlchemyError, ImportError) as exc:
+            raise self._error("cannot use this database (is its driver installed?)", exc) from exc
+        if is_sqlite:
+            busy_ms = int(busy_timeout_s * 1000)
+
+            @event.listens_for(engine, "connect")
+            def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+                cur = dbapi_conn.cursor()
+                try:
+                    cur.execute(f"PRAGMA busy_timeout={busy_ms}")
+                    cur.execute("PRAGMA foreign_keys=ON")
+                    if parsed.database and parsed.database != ":memory:":
+                        # WAL: readers and one writer never block each other.
+                        cur.execute("PRAGMA journal_mode=WAL")
+                        cur.execute("PRAGMA synchronous=NORMAL")
+                finally:
+                    cur.close()
+
+        return engine
+
+    @contextmanager
+    def _session_scope(self, what: str) -> Iterator[Session]:
+        """One transaction: commit on success, roll back and raise StorageError on failure."""
+        session = self._sessions()
+        try:
+            yield session
+            session.commit()
+        except SQLAlchemyError as exc:
+            try:
+                session.rollback()
+            except SQLAlchemyError:
+                pass
+            raise self._error(what, exc) from exc
+        except BaseException:
+            try:
+                session.rollback()
+            except SQLAlchemyError:
+                pass
+            raise
+        finally:
+            session.close()
+
+    def _prepare(self) -> None:
+        if self.read_only:
+            with self._session_scope("reading the schema version") as s:
+                try:
+                    row = s.get(SchemaVersionModel, 1)
+                except SQLAlchemyError as exc:
+                    raise self._error("no dynspec history here", exc) from exc
+                self._check_version(row)
+            return
+        try:
+            Base.metadata.create_all(self._engine)
+        except SQLAlchemyError as exc:
+            raise self._error("cannot create the history tables", exc) from exc
+        with self._session_scope("checking the database is writable") as s:
+            row = s.get(SchemaVersionModel, 1)
+            self._check_version(row)
+            if row is None:
+                s.add(SchemaVersionModel(id=1, version=SCHEMA_VERSION, created_at=time.time()))
+            else:
+                # A no-op write: fails now, with a clear message, on a read-only or locked
+                # file instead of on the daemon's first tick.
+                s.execute(
+                    SchemaVersionModel.__table__.update()
+                    .where(SchemaVersionModel.id == 1)
+                    .values(version=row.version)
+                )
+
+    def _check_version(self, row: SchemaVersionModel | None) -> None:
+        if row is not None and row.version > SCHEMA_VERSION:
+            raise StorageError(
+                f"{self.url}: the history uses schema v{row.version}, newer than this "
+                f"dynspec-tuner understands (v{SCHEMA_VERSION}); upgrade dynspec-tuner"
+            )
+
+    def close(self) -> None:
+        """Release the connection pool."""
+        self._engine.dispose()
+
+    def __enter__(self) -> Storage:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Storage({self.url!r})"
+
+    @property
+    def schema_version(self) -> int:
+        with self._session_scope("reading the schema version") as s:
+            row = s.get(SchemaVersionModel, 1)
+            return SCHEMA_VERSION if row is None else row.version
+
+    # --- writing ----------------------------------------------------------------------------
+
+    def _server_ids(
+        self, s: Session, addresses: Iterable[str], seen: Sequence[ServerSeen]
+    ) -> dict[str, int]:
+        wanted = set(addresses) | {x.address for x in seen}
+        if not wanted:
+            return {}
+        rows = {
+            m.address: m
+            for m in s.scalars(select(ServerModel).where(ServerModel.address.in_(wanted)))
+        }
+        for x in seen:
+            m = rows.get(x.address)
+            arms = json.dumps(sorted(int(a) for a in x.arms))
+            if m is None:
+                m = ServerModel(
+                    address=x.address,
+                    arms_json=arms,
+                    first_seen=x.seen_at,
+                    last_seen=x.seen_at,
+                    started_at=x.started_at,
+                    start_times_json=json.dumps([] if x.started_at is None else [x.started_at]),
+                    pool=x.pool,
+                )
+                s.add(m)
+                rows[x.address] = m
+                continue
+            m.last_seen = max(m.last_seen, x.seen_at)
+            m.arms_json = arms
+            if x.pool is not None:
+                m.pool = x.pool
+            if x.started_at is not None and x.started_at != m.started_at:
+                starts = json.loads(m.start_times_json or "[]")
+                if x.started_at not in starts:
+                    starts.append(x.started_at)
+                    m.start_times_json = json.dumps(starts)
+                m.started_at = x.started_at
+        for address in wanted - rows.keys():
+            # Rows about a server never announced with a ServerSeen: register it bare.
+            m = ServerModel(
+                address=address,
+                arms_json="[]",
+                first_seen=time.time(),
+                last_seen=time.time(),
+                start_times_json="[]",
+            )
+            s.add(m)
+            rows[address] = m
+        s.flush()
+        return {a: m.id for a, m in rows.items()}
+
+    def record_tick(
+        self,
+        *,
+        servers: Sequence[ServerSeen] = (),
+        observations: Sequence[ObservationRecord] = (),
+        policy_versions: Sequence[PolicyVersionRecord] = (),
+        events: Sequence[EventRecord] = (),
+    ) -> None:
+        """Write everything one tick produced in a single transaction (all or nothing).
+
+        Raises:
+            StorageError: nothing was written; the caller may retry the same rows later.
+        """
+        if not (servers or observations or policy_versions or events):
+            return
+        if self.read_only:
+            raise StorageError(f"{self.url}: opened read-only, cannot record")
+        addresses = (
+            {o.server for o in observations}
+            | {p.server for p in policy_versions}
+            | {e.server for e in events if e.server is not None}
+        )
+        with self._session_scope("recording a tick") as s:
+            ids = self._server_ids(s, addresses, servers)
+            if observations:
+                s.execute(
+                    insert(ObservationModel),
+                    [
+                        {
+                            "server_id": ids[o.server],
+                            "ts": o.ts,
+                            "b": o.b,
+                            "k": o.k,
+                            "decode_steps": o.decode_steps,
+                            "emitted_tokens": o.emitted_tokens,
+                            "accepted_drafts": o.accepted_drafts,
+                            "drafted_tokens": o.drafted_tokens,
+                            "busy_s": o.busy_s,
+                        }
+                        for o in observations
+                    ],
+                )
+            if policy_versions:
+                s.execute(
+                    insert(PolicyVersionModel),
+                    [
+                        {
+                            "server_id": ids[p.server],
+                            "ts": p.ts,
+                            "version": p.version,
+                            "table_json": json.dumps([[b, k] for b, k in p.table]),
+                            "policy": p.policy,
+                            "reason": p.reason,
+                            "outcome": p.outcome,
+                        }
+                        for p in policy_versions
+                    ],
+                )
+            if events:
+                s.execute(
+                    insert(EventModel),
+                    [
+                        {
+                            "server_id": None if e.server is None else ids[e.server],
+                            "ts": e.ts,
+                            "kind": e.kind,
+                            "detail": e.detail,
+                        }
+                        for e in events
+                    ],
+                )
+
+    # --- reading ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _server_record(m: ServerModel) -> ServerRecord:
+        return ServerRecord(
+            address=m.address,
+            arms=tuple(json.loads(m.arms_json or "[]")),
+            first_seen=m.first_seen,
+            last_seen=m.last_seen,
+            started_at=m.started_at,
+            start_times=tuple(json.loads(m.start_times_json or "[]")),
+            pool=m.pool,
+        )
+
+    def servers(self) -> list[ServerRecord]:
+        """Every server ever recorded, by address."""
+        with self._session_scope("reading servers") as s:
+            return [
+                self._server_record(m)
+                for m in s.scalars(select(ServerModel).order_by(ServerModel.address))
+            ]
+
+    def server(self, address: str) -> ServerRecord | None:
+        with self._session_scope("reading a server") as s:
+            m = s.scalars(select(ServerModel).where(ServerModel.address == address)).first()
+            return None if m is None else self._server_record(m)
+
+    @staticmethod
+    def _obs_query(
+        server: str | None,
+        since: float | None,
+        until: float | None,
+        arms: Iterable[int] | None,
+    ) -> Any:
+        q = select(
+            ServerModel.address,
+            ObservationModel.ts,
+            ObservationModel.b,
+            ObservationModel.k,
+            ObservationModel.decode_steps,
+            ObservationModel.emitted_tokens,
+            ObservationModel.accepted_drafts,
+            ObservationModel.drafted_tokens,
+            ObservationModel.busy_s,
+        ).join(ServerModel, ObservationModel.server_id == ServerModel.id)
+        if server is not None:
+            q = q.where(ServerModel.address == server)
+        if since is not None:
+            q = q.where(ObservationModel.ts >= since)
+        if until is not None:
+            q = q.where(ObservationModel.ts < until)
+        if arms is not None:
+            q = q.where(ObservationModel.k.in_(sorted(set(int(a) for a in arms))))
+        return q
+
+    def observations(
+        self,
+        *,
+        server: str | None = None,
+        since: float | None = None,
+        until: float | None = None,
+        limit: int | None = None,
+    ) -> list[ObservationRecord]:
+        """Stored observations in time order, optionally of one server and a time window
+        ``[since, until)``; ``limit`` keeps the first rows."""
+        q = self._obs_query(server, since, until, None).order_by(
+            ObservationModel.ts, ObservationModel.id
+        )
+        if limit is not None:
+            q = q.limit(limit)
+        with self._session_scope("reading observations") as s:
+            return [ObservationRecord(*row) for row in s.execute(q)]
+
+    def count_observations(self, *, server: str | None = None) -> int:
+        q = select(func.count(ObservationModel.id))
+        if server is not None:
+            q = q.join(ServerModel, ObservationModel.server_id == ServerModel.id).where(
+                ServerModel.address == server
+            )
+        with self._session_scope("counting observations") as s:
+            return int(s.scalar(q) or 0)
+
+    def aggregate(
+        self,
+        *,
+        server: str | None = None,
+        since: float | None = None,
+        until: float | None = None,
+    ) -> list[ObservationAggregate]:
+        """Sums per ``(server, b, k)``, computed by the database (fast on millions of rows),
+        ordered by server, b, k."""
+        o = ObservationModel
+        q = (
+            select(
+                ServerModel.address,
+                o.b,
+                o.k,
+                func.count(o.id),
+                func.sum(o.decode_steps),
+                func.sum(o.emitted_tokens),
+                func.sum(o.accepted_drafts),
+                func.sum(o.drafted_tokens),
+                func.sum(o.busy_s),
+                func.min(o.ts),
+                func.max(o.ts),
+            )
+            .join(ServerModel, o.server_id == ServerModel.id)
+            .group_by(ServerModel.address, o.b, o.k)
+            .order_by(ServerModel.address, o.b, o.k)
+        )
+        if server is not None:
+            q = q.where(ServerModel.address == server)
+        if since is not None:
+            q = q.where(o.ts >= since)
+        if until is not None:
+            q = q.where(o.ts < until)
+        with self._session_scope("aggregating observations") as s:
+            return [
+                ObservationAggregate(
+                    server=r[0],
+                    b=int(r[1]),
+                    k=int(r[2]),
+                    rows=int(r[3]),
+                    decode_steps=int(r[4]),
+                    emitted_tokens=int(r[5]),
+                    accepted_drafts=int(r[6]),
+                    drafted_tokens=int(r[7]),
+                    busy_s=float(r[8]),
+                    first_ts=float(r[9]),
+                    last_ts=float(r[10]),
+                )
+                for r in s.execute(q)
+            ]
+
+    def warm_start(
+        self,
+        server: str,
+        *,
+        arms: Iterable[int],
+        since: float | None = None,
+        limit: int = DEFAULT_WARM_START_ROWS,
+    ) -> list[ObservationRecord]:
+        """The latest ``limit`` observations of ``server`` at one of ``arms``, oldest first:
+        what a restarted daemon replays into a fresh policy. Buckets need no filter:
+        observations keep the raw batch size, so any bucketing can be rebuilt from them."""
+        q = (
+            self._obs_query(server, since, None, arms)
+            .order_by(ObservationModel.ts.desc(), ObservationModel.id.desc())
+            .limit(limit)
+        )
+        with self._session_scope("reading observations for a warm start") as s:
+            rows = [ObservationRecord(*row) for row in s.execute(q)]
+        rows.reverse()
+        return rows
+
+    @staticmethod
+    def _version_record(address: str, m: PolicyVersionModel) -> PolicyVersionRecord:
+        table: Table = tuple((None if b is None else int(b), int(k)) for b, k in json.loads(m.table_json))
+        return PolicyVersionRecord(
+            server=address,
+            ts=m.ts,
+            version=m.version,
+            table=table,
+            policy=m.policy,
+            reason=m.reason,
+            outcome=m.outcome,
+        )
+
+    def policy_versions(
+        self,
+        *,
+        server: str | None = None,
+        since: float | None = None,
+        limit: int | None = None,
+    ) -> list[PolicyVersionRecord]:
+        """Recorded tables in time order (``limit`` keeps the first rows)."""
+        q = (
+            select(ServerModel.address, PolicyVersionModel)
+            .join(ServerModel, PolicyVersionModel.server_id == ServerModel.id)
+            .order_by(PolicyVersionModel.ts, PolicyVersionModel.id)
+        )
+        if server is not None:
+            q = q.where(ServerModel.address == server)
+        if since is not None:
+            q = q.where(PolicyVersionModel.ts >= since)
+        if limit is not None:
+            q = q.limit(limit)
+        with self._session_scope("reading policy versions") as s:
+            return [self._version_record(a, m) for a, m in s.execute(q)]
+
+    def latest_policy_version(self, server: str) -> PolicyVersionRecord | None:
+        """The highest-numbered version recorded for ``server`` (None if none)."""
+        q = (
+            select(ServerModel.address, PolicyVersionModel)
+            .join(ServerModel, PolicyVersionModel.server_id == ServerModel.id)
+            .where(ServerModel.address == server)
+            .order_by(PolicyVersionModel.version.desc(), PolicyVersionModel.id.desc())
+            .limit(1)
+        )
+        with self._session_scope("reading the latest policy version") as s:
+            row = s.execute(q).first()
+            return None if row is None else self._version_record(row[0], row[1])
+
+    def events(
+        self,
+        *,
+        server: str | None = None,
+        kinds: Iterable[str] | None = None,
+        since: float | None = None,
+        limit: int | None = None,
+    ) -> list[EventRecord]:
+        """Recorded events in time order; ``server=None`` means all, including the
+        daemon's own (whose ``server`` is None)."""
+        q = (
+            select(ServerModel.address, EventModel.ts, EventModel.kind, EventModel.detail)
+            .select_from(EventModel)
+            .outerjoin(ServerModel, EventModel.server_id == ServerModel.id)
+            .order_by(EventModel.ts, EventModel.id)
+        )
+        if server is not None:
+            q = q.where(ServerModel.address == server)
+        if kinds is not None:
+            q = q.where(EventModel.kind.in_(list(kinds)))
+        if since is not None:
+            q = q.where(EventModel.ts >= since)
+        if limit is not None:
+            q = q.limit(limit)
+        with self._session_scope("reading events") as s:
+            return [EventRecord(*row) for row in s.execute(q)]
