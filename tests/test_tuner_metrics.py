@@ -1,0 +1,91 @@
+"""The tuner's own /metrics: served on loopback, parsed with prometheus_client's parser."""
+
+from __future__ import annotations
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from policies import ArmEstimate, Buckets, PolicySnapshot
+from tuner.tuner_metrics import TunerMetrics
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _snapshot(chosen: tuple[int, ...]) -> PolicySnapshot:
+    buckets = Buckets((4, 64))
+    return PolicySnapshot(
+        policy="thompson",
+        buckets=buckets,
+        arms=(0, 3),
+        chosen=chosen,
+        estimates=(
+            ArmEstimate(bucket=0, arm=3, estimate=250.0, std=5.0, n=400),
+            ArmEstimate(bucket=0, arm=0, estimate=120.0, std=2.5, n=100),
+            ArmEstimate(bucket=2, arm=0, estimate=3000.0, std=40.0, n=90),
+        ),
+    )
+
+
+def test_metrics_endpoint_parses_and_reports_state() -> None:
+    m = TunerMetrics()
+    m.set_snapshot("a:1", _snapshot((3, 3, 0)))
+    m.record_push("a:1", version=7)
+    m.record_push("a:1", version=8)
+    m.record_rejected_update("a:1")
+    m.record_observations("a:1", 12)
+    m.set_up("a:1", True)
+    m.set_up("a:1", False)  # an outage
+    m.set_up("a:1", False)  # still down: not a second one
+    m.set_plugin_loaded("b:2", False)
+    m.record_observations("b:2", 3)
+    with m.serve(port=0) as server:
+        reply = httpx.get(server.url, timeout=5)
+    assert reply.status_code == 200
+    got = _samples(reply.text)
+
+    def v(name: str, **labels: str) -> float:
+        return got[(name, tuple(sorted(labels.items())))]
+
+    assert v("dynspec_chosen_arm", server="a:1", bucket="1-4") == 3
+    assert v("dynspec_chosen_arm", server="a:1", bucket=">64") == 0
+    assert v("dynspec_goodput_estimate_tokens_per_second", server="a:1", bucket="1-4",
+             arm="3") == 250.0
+    assert v("dynspec_goodput_std_tokens_per_second", server="a:1", bucket=">64",
+             arm="0") == 40.0
+    assert v("dynspec_estimate_decode_steps", server="a:1", bucket="1-4", arm="0") == 100
+    assert v("dynspec_policy_version", server="a:1") == 8
+    assert v("dynspec_pushes_total", server="a:1") == 2
+    assert v("dynspec_rejected_updates_total", server="a:1") == 1
+    assert v("dynspec_outages_total", server="a:1") == 1
+    assert v("dynspec_observations_total", server="a:1") == 12
+    assert v("dynspec_server_up", server="a:1") == 0
+    assert v("dynspec_plugin_loaded", server="b:2") == 0
+    assert v("dynspec_observations_total", server="b:2") == 3
+
+
+def test_new_snapshot_replaces_old_series() -> None:
+    m = TunerMetrics()
+    m.set_snapshot("a:1", _snapshot((3, 3, 0)))
+    m.set_snapshot("a:1", PolicySnapshot(policy="static", buckets=Buckets((8,)), arms=(1,),
+                                         chosen=(1, 1), estimates=()))
+    from prometheus_client import generate_latest
+
+    got = _samples(generate_latest(m.registry).decode())
+    chosen = {dict(k[1])["bucket"]: val for k, val in got.items() if k[0] == "dynspec_chosen_arm"}
+    assert chosen == {"1-8": 1, ">8": 1}
+    assert not any(k[0] == "dynspec_goodput_estimate_tokens_per_second" for k in got)
+
+
+def test_own_registry_per_instance() -> None:
+    a, b = TunerMetrics(), TunerMetrics()
+    a.record_observations("s", 5)
+    from prometheus_client import generate_latest
+
+    assert _samples(generate_latest(a.registry).decode())
+    assert _samples(generate_latest(b.registry).decode()) == {}
