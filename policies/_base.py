@@ -55,6 +55,15 @@ class Observation:
 
     def problem(self) -> str | None:
         """Why this observation must not reach a policy, or None if it is usable."""
+        for name in ("b", "k", "decode_steps", "emitted_tokens", "accepted_drafts", "drafted_tokens"):
+            value = getattr(self, name)
+            # NaN slips through every comparison below, so non-finite values are refused first.
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                return f"{name} {value!r} is not a number"
+            if not math.isfinite(value):
+                return f"{name} {value!r} is not finite"
+        if isinstance(self.busy_s, bool) or not isinstance(self.busy_s, (int, float)):
+            return f"busy_s {self.busy_s!r} is not a number"
         if self.b < 1:
             return f"batch size {self.b} < 1"
         if self.k < 0:
@@ -67,6 +76,9 @@ class Observation:
             return "no decode steps"
         if self.accepted_drafts > self.drafted_tokens:
             return "more accepted drafts than drafted tokens"
+        if self.emitted_tokens < self.decode_steps:
+            # Every request gets at least its bonus token in every step.
+            return "fewer emitted tokens than decode steps"
         return None
 
 

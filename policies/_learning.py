@@ -1,0 +1,365 @@
+"""What every learning policy shares: discounted statistics, switching cost, dwell, guardrail
+and exploration budget. Subclasses only say how to explore (and, optionally, how to pick the
+greedy arm); the mechanics below are written once.
+
+Everything that shapes the *estimates* is a function of the observation sequence alone, so
+feeding a stored history through :meth:`BasePolicy.update` again (a daemon restart) rebuilds
+the same estimates and greedy table. Only the state of the live exploration (the arm last
+proposed per bucket, its dwell, the random generator) depends on calls to ``propose``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+
+from policies._base import ArmEstimate, BasePolicy, Buckets, Observation, PolicySnapshot, Table
+from policies._guard import guard_check
+from policies._stats import ArmStats, reward
+
+__all__ = [
+    "DEFAULT_EXPLORE_ALLOWANCE_STEPS",
+    "DEFAULT_EXPLORE_BUDGET",
+    "DEFAULT_GUARD_MARGIN",
+    "DEFAULT_GUARD_MIN_STEPS",
+    "DEFAULT_GUARD_Z",
+    "DEFAULT_MEMORY_STEPS",
+    "DEFAULT_MIN_DWELL_STEPS",
+    "DEFAULT_SETTLE_STEPS",
+    "DEFAULT_SETTLE_WEIGHT",
+    "DEFAULT_STEP_SD",
+    "DEFAULT_SWITCH_MARGIN",
+    "LearnerParams",
+    "LearningPolicy",
+]
+
+# Effective memory of a bucket, in its decode steps: long enough that arm estimates settle
+# (thousands of steps at a few ms each), short enough that a workload shift is followed
+# within about a minute of traffic.
+DEFAULT_MEMORY_STEPS = 20_000.0
+# Prior standard deviation of one decode step's log goodput. One step of one request emits
+# 1..k+1 tokens, so its log goodput varies by ~0.4-0.5 at b = 1; the data shrinks this.
+DEFAULT_STEP_SD = 0.5
+DEFAULT_PRIOR_OBS = 2.0
+# An arm stays live at least this many decode steps of its bucket, so a bucket near the
+# crossover does not thrash between tables (each switch re-captures nothing, but logs, and
+# in SGLang's skip-extend mode costs acceptance).
+DEFAULT_MIN_DWELL_STEPS = 150
+# Steps right after an arm (re)starts in a bucket carry the switch transient (draft state
+# catching up, cold recovery); they count at a reduced weight.
+DEFAULT_SETTLE_STEPS = 30
+DEFAULT_SETTLE_WEIGHT = 0.25
+# The greedy arm changes only for a gain above this (log goodput, 0.005 = 0.5 %).
+DEFAULT_SWITCH_MARGIN = 0.005
+# Guardrail: revert when the greedy arm is measured > 2 % below an alternative at z > 3.
+DEFAULT_GUARD_MARGIN = 0.02
+DEFAULT_GUARD_Z = 3.0
+DEFAULT_GUARD_MIN_STEPS = 200.0
+# At most this fraction of a bucket's (discounted) decode steps off its greedy arm, once the
+# first DEFAULT_EXPLORE_ALLOWANCE_STEPS steps of the bucket (free warm-up) are past.
+DEFAULT_EXPLORE_BUDGET = 0.1
+DEFAULT_EXPLORE_ALLOWANCE_STEPS = 2_000
+# Notes kept in a snapshot (guardrail reverts), oldest dropped first.
+MAX_NOTES = 50
+
+
+def _require(ok: bool, name: str, what: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LearnerParams:
+    """Parameters every learning policy shares. Validated on construction.
+
+    Attributes:
+        memory_steps: effective memory per bucket in decode steps (discount ``1 - 1/memory``
+            per step); ``math.inf`` disables discounting.
+        step_sd: prior standard deviation of one decode step's log goodput.
+        prior_obs: pseudo-observations behind ``step_sd``.
+        min_dwell_steps: decode steps an arm stays live in a bucket before it may change.
+        settle_steps: steps after an arm (re)starts in a bucket that count at
+            ``settle_weight`` (the switching transient).
+        settle_weight: weight of those steps, in [0, 1].
+        switch_margin: gain in log goodput another arm needs to become greedy.
+        guard_margin: loss in log goodput that makes the guardrail revert a greedy arm.
+        guard_z: z-score the guardrail needs.
+        guard_min_steps: discounted steps both arms need before the guardrail judges.
+        explore_budget: cap on the fraction of a bucket's decode steps off its greedy arm.
+        explore_allowance_steps: a bucket's first steps, free of the budget (warm-up).
+        initial_arm: the arm for buckets nobody has seen yet; None = the middle arm.
+    """
+
+    memory_steps: float = DEFAULT_MEMORY_STEPS
+    step_sd: float = DEFAULT_STEP_SD
+    prior_obs: float = DEFAULT_PRIOR_OBS
+    min_dwell_steps: int = DEFAULT_MIN_DWELL_STEPS
+    settle_steps: int = DEFAULT_SETTLE_STEPS
+    settle_weight: float = DEFAULT_SETTLE_WEIGHT
+    switch_margin: float = DEFAULT_SWITCH_MARGIN
+    guard_margin: float = DEFAULT_GUARD_MARGIN
+    guard_z: float = DEFAULT_GUARD_Z
+    guard_min_steps: float = DEFAULT_GUARD_MIN_STEPS
+    explore_budget: float = DEFAULT_EXPLORE_BUDGET
+    explore_allowance_steps: int = DEFAULT_EXPLORE_ALLOWANCE_STEPS
+    initial_arm: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "initial_arm":
+                _require(
+                    value is None or (isinstance(value, int) and not isinstance(value, bool)
+                                      and value >= 0),
+                    f.name, "None or an int >= 0", value)
+                continue
+            _require(
+                isinstance(value, (int, float)) and not isinstance(value, bool)
+                and not math.isnan(value),
+                f.name, "a number", value)
+        _require(self.memory_steps >= 1, "memory_steps", ">= 1 (or inf)", self.memory_steps)
+        _require(0 < self.step_sd < math.inf, "step_sd", "positive and finite", self.step_sd)
+        _require(0 <= self.prior_obs < math.inf, "prior_obs", ">= 0 and finite", self.prior_obs)
+        for name in ("min_dwell_steps", "settle_steps", "explore_allowance_steps"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 0, name, "an int >= 0", value)
+        _require(0 <= self.settle_weight <= 1, "settle_weight", "in [0, 1]", self.settle_weight)
+        for name in ("switch_margin", "guard_margin", "guard_z", "guard_min_steps"):
+            value = getattr(self, name)
+            _require(0 <= value < math.inf, name, ">= 0 and finite", value)
+        _require(0 <= self.explore_budget <= 1, "explore_budget", "in [0, 1]",
+                 self.explore_budget)
+
+
+class _BucketState:
+    __slots__ = (
+        "stats", "gap", "settle", "steps", "bud_total", "bud_off", "greedy", "live", "dwell",
+        "last_revert",
+    )
+
+    def __init__(self, arms: Iterable[int]) -> None:
+        arms = tuple(arms)
+        self.stats = {a: ArmStats() for a in arms}
+        self.gap = {a: 0 for a in arms}  # steps of other arms since this arm last ran
+        self.settle = {a: 0 for a in arms}  # transient steps left for this arm
+        self.steps = 0  # raw decode steps of the bucket
+        self.bud_total = 0.0  # discounted steps since the free allowance ended
+        self.bud_off = 0.0  # ... of which off the greedy arm
+        self.greedy: int | None = None
+        self.live: int | None = None  # arm last proposed
+        self.dwell = 0  # steps since `live` was proposed
+        self.last_revert: tuple[int, int] | None = None
+
+
+class LearningPolicy(BasePolicy):
+    """Base of every learning policy (see the module docstring).
+
+    Subclasses implement :meth:`_explore` and may override :meth:`_greedy_choice` (the
+    model-based policy predicts instead of measuring) and :meth:`_estimates`.
+
+    Args:
+        arms: the arms the server built.
+        buckets: the batch-size buckets.
+        seed: seeds the policy's ``random.Random``.
+        params: a :class:`LearnerParams` (or subclass) instance; defaults to ``params_class()``.
+    """
+
+    params_class: type[LearnerParams] = LearnerParams
+
+    def __init__(
+        self,
+        *,
+        arms: Iterable[int],
+        buckets: Buckets | None = None,
+        seed: int = 0,
+        params: LearnerParams | None = None,
+    ) -> None:
+        super().__init__(arms=arms, buckets=buckets, seed=seed)
+        if params is None:
+            params = self.params_class()
+        if not isinstance(params, self.params_class):
+            raise ValueError(
+                f"params must be a {self.params_class.__name__}, got {type(params).__name__}"
+            )
+        if params.initial_arm is not None and params.initial_arm not in self.arms:
+            raise ValueError(f"initial_arm {params.initial_arm} is not among arms {self.arms}")
+        self.params = params
+        self._rng = random.Random(seed)
+        self._gamma = 1.0 if math.isinf(params.memory_steps) else 1.0 - 1.0 / params.memory_steps
+        self._state = [_BucketState(self.arms) for _ in range(len(self.buckets))]
+        self._notes: list[str] = []
+
+    # --- learning -------------------------------------------------------------------------
+
+    def update(self, obs: Observation) -> bool:
+        """Feed one observation; False (state unchanged) if it is unusable."""
+        if obs.problem() is not None or obs.k not in self.arms:
+            return False
+        try:
+            r = reward(obs)
+        except (ValueError, ZeroDivisionError, OverflowError):
+            return False
+        if not math.isfinite(r):
+            return False
+        self._learn(self.buckets.index(obs.b), obs, r)
+        return True
+
+    def _update(self, bucket: int, obs: Observation) -> None:
+        self._learn(bucket, obs, reward(obs))
+
+    def _learn(self, j: int, obs: Observation, r: float) -> None:
+        p, st, k, s = self.params, self._state[j], obs.k, int(obs.decode_steps)
+        factor = self._gamma**s
+        for arm_stats in st.stats.values():
+            arm_stats.decay(factor)
+        if st.steps >= p.explore_allowance_steps:
+            st.bud_total = st.bud_total * factor + s
+            off = st.greedy is not None and k != st.greedy
+            st.bud_off = st.bud_off * factor + (s if off else 0)
+        # Switching cost: an arm that resumes after other arms ran starts a settle window.
+        if st.steps > 0 and st.gap[k] > p.settle_steps:
+            st.settle[k] = p.settle_steps
+        transient = min(s, st.settle[k])
+        st.settle[k] -= transient
+        weight = (s - transient) + transient * p.settle_weight
+        st.stats[k].add(r, weight, weight / s, obs.b, s)
+        for arm in self.arms:
+            st.gap[arm] = 0 if arm == k else st.gap[arm] + s
+        st.steps += s
+        st.dwell += s
+        self._observed(j, obs, r, weight)
+        self._refresh_greedy(j)
+
+    def _observed(self, j: int, obs: Observation, r: float, weight: float) -> None:
+        """Hook for subclasses with extra state (models, optimisers). Default: nothing."""
+
+    def _refresh_greedy(self, j: int) -> None:
+        p, st = self.params, self._state[j]
+        choice = self._greedy_choice(j)
+        if choice is None:
+            st.greedy = None
+            return
+        verdict = guard_check(
+            st.stats, choice, margin=p.guard_margin, z=p.guard_z,
+            min_steps=p.guard_min_steps, prior_sd=p.step_sd, prior_obs=p.prior_obs,
+        )
+        if verdict is not None:
+            if st.last_revert != (verdict.bad, verdict.better):
+                self._note(f"bucket {self.buckets.label(j)}: {verdict.reason}")
+            st.last_revert = (verdict.bad, verdict.better)
+            choice = verdict.better
+        st.greedy = choice
+
+    def _note(self, text: str) -> None:
+        self._notes.append(text)
+        del self._notes[:-MAX_NOTES]
+
+    def _greedy_choice(self, j: int) -> int | None:
+        """The measured best arm of bucket ``j`` with hysteresis, None without data."""
+        st = self._state[j]
+        seen = [a for a in self.arms if st.stats[a].seen]
+        if not seen:
+            return None
+        best = max(seen, key=lambda a: (st.stats[a].mean, -a))
+        cur = st.greedy
+        if cur is not None and st.stats[cur].seen:
+            if st.stats[best].mean <= st.stats[cur].mean + self.params.switch_margin:
+                return cur
+        return best
+
+    # --- deciding -------------------------------------------------------------------------
+
+    def _fallback_arm(self) -> int:
+        if self.params.initial_arm is not None:
+            return self.params.initial_arm
+        return self.arms[len(self.arms) // 2]
+
+    def greedy_arms(self) -> tuple[int, ...]:
+        """The greedy arm per bucket; a bucket without data borrows its nearest neighbour's."""
+        known = [st.greedy for st in self._state]
+        if all(g is None for g in known):
+            return tuple(self._fallback_arm() for _ in known)
+        out = []
+        for j, g in enumerate(known):
+            if g is None:
+                for d in range(1, len(known)):
+                    lo = known[j - d] if j - d >= 0 else None
+                    hi = known[j + d] if j + d < len(known) else None
+                    if lo is not None or hi is not None:
+                        g = lo if lo is not None else hi
+                        break
+            out.append(g)
+        return tuple(out)  # type: ignore[arg-type]
+
+    def greedy(self) -> Table:
+        return self.buckets.table(self.greedy_arms())
+
+    def _budget_allows(self, j: int) -> bool:
+        p, st = self.params, self._state[j]
+        if st.steps < p.explore_allowance_steps:
+            return True
+        # Exploring now costs at least one dwell of steps: check it still fits.
+        need = p.min_dwell_steps
+        return st.bud_off + need <= p.explore_budget * (st.bud_total + need)
+
+    def propose(self) -> Table:
+        """A table that may explore: dwell first, then the subclass's choice within budget."""
+        greedy = self.greedy_arms()
+        chosen = []
+        for j, st in enumerate(self._state):
+            g = greedy[j]
+            if st.steps == 0:
+                arm = g  # nothing to learn from a bucket without traffic
+            elif (
+                st.live is not None
+                and st.dwell < self.params.min_dwell_steps
+                and (st.last_revert is None or st.last_revert[0] != st.live)
+            ):
+                arm = st.live
+            else:
+                arm = self._explore(j, g)
+                if arm != g and not self._budget_allows(j):
+                    arm = g
+            if arm != st.live:
+                st.live = arm
+                st.dwell = 0
+            chosen.append(arm)
+        return self.buckets.table(chosen)
+
+    def _explore(self, j: int, greedy: int) -> int:
+        """The arm to run in bucket ``j`` (may be ``greedy``). Called only with traffic."""
+        raise NotImplementedError
+
+    # --- reporting ------------------------------------------------------------------------
+
+    def exploration(self, j: int) -> tuple[float, float]:
+        """``(off-greedy, total)`` discounted decode steps of bucket ``j`` since warm-up."""
+        st = self._state[j]
+        return st.bud_off, st.bud_total
+
+    def _estimates(self) -> tuple[ArmEstimate, ...]:
+        p = self.params
+        out = []
+        for j, st in enumerate(self._state):
+            for arm in self.arms:
+                a = st.stats[arm]
+                if not a.seen:
+                    continue
+                g = a.goodput()
+                out.append(ArmEstimate(
+                    bucket=j, arm=arm, estimate=g,
+                    std=g * a.mean_sd(p.step_sd, p.prior_obs), n=round(a.w),
+                ))
+        return tuple(out)
+
+    def snapshot(self) -> PolicySnapshot:
+        return PolicySnapshot(
+            policy=self.name,
+            buckets=self.buckets,
+            arms=self.arms,
+            chosen=self.greedy_arms(),
+            estimates=self._estimates(),
+            notes=tuple(self._notes),
+        )
