@@ -1,0 +1,286 @@
+"""The daemon's configuration: one frozen, validated :class:`TunerConfig`, built once.
+
+Precedence: command-line flag > ``DYNSPEC_*`` environment variable > ``DEFAULT_*`` constant.
+Only :func:`TunerConfig.from_sources` reads the environment; everything downstream receives
+the built config.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from tuner.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_BACKOFF_MAX_S",
+    "DEFAULT_DB_URL",
+    "DEFAULT_DECISION_PERIOD_S",
+    "DEFAULT_INTERVAL_S",
+    "DEFAULT_POLICY",
+    "DEFAULT_SERVER",
+    "DEFAULT_SIM_DURATION_S",
+    "DEFAULT_SIM_LOAD",
+    "DEFAULT_SIM_PROFILE",
+    "DEFAULT_SIM_SPEED",
+    "DEFAULT_SIM_WORKLOAD",
+    "DEFAULT_TIMEOUT_S",
+    "ENV_PREFIX",
+    "SimulateConfig",
+    "TunerConfig",
+    "normalize_server",
+    "read_api_key_file",
+]
+
+ENV_PREFIX = "DYNSPEC_"
+
+# SGLang's default port.
+DEFAULT_SERVER = "localhost:30000"
+DEFAULT_DB_URL = "sqlite:///dynspec.db"
+# The policy `run` learns with when none is named (the policies package may name a better
+# default; the CLI prefers ``policies.DEFAULT_POLICY`` when it exists).
+DEFAULT_POLICY = "thompson"
+# One reading of every server per second: counters are cumulative, so a slower interval
+# loses nothing but reaction time, and /server_info is cheap for SGLang to answer.
+DEFAULT_INTERVAL_S = 1.0
+# A new table at most this often: long enough for each proposed arm to collect a few hundred
+# decode steps per busy bucket, short enough to follow a load change within seconds.
+DEFAULT_DECISION_PERIOD_S = 2.0
+# Per HTTP call; /server_info is answered by the tokenizer manager and normally takes ms.
+DEFAULT_TIMEOUT_S = 5.0
+# Retry an unreachable server with doubling waits, capped here.
+DEFAULT_BACKOFF_MAX_S = 30.0
+
+# `run --simulate`: the built-in simulator with a concurrency sweep 1 -> 256 (one phase per
+# doubling), accelerated so the default run takes about a minute of wall time.
+DEFAULT_SIM_PROFILE = "h200-llama8b"
+DEFAULT_SIM_WORKLOAD = "chat"
+DEFAULT_SIM_LOAD = "15:1,15:2,15:4,15:8,15:16,15:32,15:64,15:128,15:256"
+DEFAULT_SIM_SPEED = 20.0
+DEFAULT_SIM_DURATION_S = 135.0  # simulated seconds: the whole sweep
+
+_HOST_PORT = re.compile(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})$")
+
+
+def normalize_server(text: str) -> str:
+    """``HOST:PORT`` (optionally with an ``http://``/``https://`` scheme) -> canonical name.
+
+    The canonical name is ``host:port`` for plain HTTP and ``https://host:port`` for TLS.
+
+    Raises:
+        ConfigError: naming what is wrong.
+    """
+    raw = text.strip().rstrip("/")
+    scheme = "http"
+    if "://" in raw:
+        scheme, _, raw = raw.partition("://")
+        scheme = scheme.lower()
+        if scheme not in ("http", "https"):
+            raise ConfigError(f"server {text!r}: scheme must be http or https")
+    m = _HOST_PORT.match(raw)
+    if not m:
+        raise ConfigError(f"server {text!r} must be HOST:PORT, e.g. {DEFAULT_SERVER}")
+    port = int(m.group("port"))
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"server {text!r}: port must be in 1..65535")
+    name = f"{m.group('host')}:{port}"
+    return name if scheme == "http" else f"https://{name}"
+
+
+def read_api_key_file(path: str | os.PathLike[str]) -> str:
+    """The first line of an API-key file, stripped. The key itself never appears in errors.
+
+    Raises:
+        ConfigError: the file cannot be read or is empty.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"api key file {str(p)!r}: cannot read it ({type(exc).__name__})") from exc
+    key = text.strip().splitlines()[0].strip() if text.strip() else ""
+    if not key:
+        raise ConfigError(f"api key file {str(p)!r} is empty")
+    return key
+
+
+def _positive(name: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TunerConfig:
+    """Everything ``dynspec-tuner run`` needs. Build with :meth:`from_sources` or directly.
+
+    Attributes:
+        servers: canonical ``host:port`` names, at least one, no duplicates.
+        db_url: SQLAlchemy URL of the history.
+        policy: a name in ``policies.POLICIES``.
+        interval_s: seconds between readings of each server.
+        decision_period_s: seconds between table proposals (>= ``interval_s``).
+        buckets: upper bounds of the batch-size buckets; None = the policies' default.
+        api_key: SGLang's admin API key (never printed; excluded from repr).
+        dry_run: learn and record, never push.
+        duration_s: stop after this many seconds; None = until SIGTERM/SIGINT.
+        timeout_s: per HTTP call.
+        backoff_max_s: longest wait between retries of an unreachable server.
+        seed: seeds the policies.
+    """
+
+    servers: tuple[str, ...] = (DEFAULT_SERVER,)
+    db_url: str = DEFAULT_DB_URL
+    policy: str = DEFAULT_POLICY
+    interval_s: float = DEFAULT_INTERVAL_S
+    decision_period_s: float = DEFAULT_DECISION_PERIOD_S
+    buckets: tuple[int, ...] | None = None
+    api_key: str | None = field(default=None, repr=False)
+    dry_run: bool = False
+    duration_s: float | None = None
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    backoff_max_s: float = DEFAULT_BACKOFF_MAX_S
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.servers:
+            raise ConfigError("at least one --server is needed")
+        servers = tuple(normalize_server(s) for s in self.servers)
+        dupes = sorted({s for s in servers if servers.count(s) > 1})
+        if dupes:
+            raise ConfigError(f"server given twice: {', '.join(dupes)}")
+        object.__setattr__(self, "servers", servers)
+        if not self.db_url or "://" not in self.db_url:
+            raise ConfigError(
+                f"db must be a database URL such as {DEFAULT_DB_URL}, got {self.db_url!r}"
+            )
+        if not self.policy:
+            raise ConfigError("policy must be named")
+        _positive("interval", self.interval_s)
+        _positive("decision period", self.decision_period_s)
+        if self.decision_period_s < self.interval_s:
+            raise ConfigError(
+                f"decision period ({self.decision_period_s} s) must be >= the interval "
+                f"({self.interval_s} s): a table needs at least one reading to be judged"
+            )
+        _positive("timeout", self.timeout_s)
+        _positive("backoff max", self.backoff_max_s)
+        if self.duration_s is not None:
+            _positive("duration", self.duration_s)
+        if self.buckets is not None:
+            edges = tuple(self.buckets)
+            if not edges or edges[0] < 1 or any(b <= a for a, b in zip(edges, edges[1:])):
+                raise ConfigError(
+                    f"buckets must be positive, strictly increasing batch sizes, got {edges}"
+                )
+            object.__setattr__(self, "buckets", edges)
+        if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()):
+            raise ConfigError("api key must be non-empty without surrounding whitespace")
+
+    def with_(self, **changes: Any) -> TunerConfig:
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+    @classmethod
+    def from_sources(
+        cls, flags: Mapping[str, Any], env: Mapping[str, str] | None = None
+    ) -> TunerConfig:
+        """Merge command-line flags (None = not given) over ``DYNSPEC_*`` variables.
+
+        Flags: ``servers, db_url, policy, interval_s, decision_period_s, buckets,
+        api_key_file, dry_run, duration_s, timeout_s, seed``. Variables:
+        ``DYNSPEC_SERVERS`` (comma-separated), ``DYNSPEC_DB``, ``DYNSPEC_POLICY``,
+        ``DYNSPEC_INTERVAL``, ``DYNSPEC_DECISION_PERIOD``, ``DYNSPEC_BUCKETS``,
+        ``DYNSPEC_API_KEY``, ``DYNSPEC_API_KEY_FILE``, ``DYNSPEC_DRY_RUN``,
+        ``DYNSPEC_DURATION``, ``DYNSPEC_TIMEOUT``, ``DYNSPEC_SEED``.
+
+        Raises:
+            ConfigError: naming the flag or variable at fault.
+        """
+        env = os.environ if env is None else env
+        out: dict[str, Any] = {}
+
+        def pick(flag: str, var: str, parse: Any) -> None:
+            value = flags.get(flag)
+            if value is not None and value != ():
+                out[flag] = value
+                return
+            raw = env.get(ENV_PREFIX + var)
+            if raw is None or raw.strip() == "":
+                return
+            try:
+                out[flag] = parse(raw.strip())
+            except (ValueError, ConfigError) as exc:
+                raise ConfigError(f"{ENV_PREFIX}{var}={raw!r}: {exc}") from exc
+
+        def csv_str(raw: str) -> tuple[str, ...]:
+            return tuple(p.strip() for p in raw.split(",") if p.strip())
+
+        def csv_int(raw: str) -> tuple[int, ...]:
+            return tuple(int(p) for p in raw.split(",") if p.strip())
+
+        def boolean(raw: str) -> bool:
+            low = raw.lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError("expected 1/0, true/false, yes/no or on/off")
+
+        pick("servers", "SERVERS", csv_str)
+        pick("db_url", "DB", str)
+        pick("policy", "POLICY", str)
+        pick("interval_s", "INTERVAL", float)
+        pick("decision_period_s", "DECISION_PERIOD", float)
+        pick("buckets", "BUCKETS", csv_int)
+        pick("duration_s", "DURATION", float)
+        pick("timeout_s", "TIMEOUT", float)
+        pick("seed", "SEED", int)
+        if flags.get("dry_run"):
+            out["dry_run"] = True
+        else:
+            pick("dry_run", "DRY_RUN", boolean)
+        # The key: --api-key-file, else DYNSPEC_API_KEY, else DYNSPEC_API_KEY_FILE. Never a
+        # flag with the key itself (it would show in `ps` and shell history).
+        key_file = flags.get("api_key_file")
+        if key_file is not None:
+            out["api_key"] = read_api_key_file(key_file)
+        elif env.get(ENV_PREFIX + "API_KEY", "").strip():
+            out["api_key"] = env[ENV_PREFIX + "API_KEY"].strip()
+        elif env.get(ENV_PREFIX + "API_KEY_FILE", "").strip():
+            out["api_key"] = read_api_key_file(env[ENV_PREFIX + "API_KEY_FILE"].strip())
+        return cls(**out)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimulateConfig:
+    """``run --simulate``: which simulated server to start.
+
+    Attributes:
+        profile: a built-in cost profile name or a profile file.
+        workload: a workload preset.
+        load: a concurrency schedule ``DUR:CONC,...`` (simulated seconds : requests).
+        speed: simulated seconds per wall second.
+        duration_s: simulated seconds to run the tuner for.
+    """
+
+    profile: str = DEFAULT_SIM_PROFILE
+    workload: str = DEFAULT_SIM_WORKLOAD
+    load: str = DEFAULT_SIM_LOAD
+    speed: float = DEFAULT_SIM_SPEED
+    duration_s: float = DEFAULT_SIM_DURATION_S
+
+    def __post_init__(self) -> None:
+        if not self.profile:
+            raise ConfigError("profile must be named")
+        if not self.workload:
+            raise ConfigError("workload must be named")
+        if not self.load:
+            raise ConfigError("load must be a schedule such as 10:1,10:8")
+        if not (math.isfinite(self.speed) and 0 < self.speed <= 10_000):
+            raise ConfigError(f"speed must be in (0, 10000], got {self.speed!r}")
+        _positive("duration", self.duration_s)
