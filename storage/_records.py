@@ -12,6 +12,7 @@ __all__ = [
     "EVENT_KINDS",
     "EventRecord",
     "ObservationAggregate",
+    "ObservationMoments",
     "ObservationRecord",
     "PolicyVersionRecord",
     "ServerRecord",
@@ -107,6 +108,33 @@ class ObservationAggregate:
     def acceptance(self) -> float:
         """Accepted drafts per drafted token (NaN when nothing was drafted)."""
         return self.accepted_drafts / self.drafted_tokens if self.drafted_tokens else math.nan
+
+
+@dataclass(frozen=True, slots=True)
+class ObservationMoments:
+    """Sums and sums of squares over the stored rows of one ``(server, time bin, b, k)``.
+
+    Each stored row is one sampling interval; ``emitted_sq``, ``emitted_busy`` and
+    ``busy_sq`` sum ``e*e``, ``e*t`` and ``t*t`` over rows (``e`` emitted tokens, ``t`` busy
+    seconds), which is what a confidence interval of the ratio ``Σe/Σt`` (goodput) needs.
+    Every field is additive, so moments of coarser groups are plain sums of these.
+    """
+
+    server: str
+    bin: int  # floor((ts - origin) / bin_s); 0 when not binned
+    b: int
+    k: int
+    rows: int
+    decode_steps: int
+    emitted_tokens: int
+    accepted_drafts: int
+    drafted_tokens: int
+    busy_s: float
+    emitted_sq: float
+    emitted_busy: float
+    busy_sq: float
+    first_ts: float
+    last_ts: float
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, func, insert, select
+from sqlalchemy import Double, Engine, Integer, cast, create_engine, event, func, insert, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
@@ -27,6 +27,7 @@ from storage._models import (
 from storage._records import (
     EventRecord,
     ObservationAggregate,
+    ObservationMoments,
     ObservationRecord,
     PolicyVersionRecord,
     ServerRecord,
@@ -490,6 +491,110 @@ class Storage:
                     busy_s=float(r[8]),
                     first_ts=float(r[9]),
                     last_ts=float(r[10]),
+                )
+                for r in s.execute(q)
+            ]
+
+    def observation_span(
+        self,
+        *,
+        server: str | None = None,
+        since: float | None = None,
+        until: float | None = None,
+    ) -> tuple[float, float] | None:
+        """``(first ts, last ts)`` of the stored observations in the window, None if none."""
+        o = ObservationModel
+        q = select(func.min(o.ts), func.max(o.ts))
+        if server is not None:
+            q = q.join(ServerModel, o.server_id == ServerModel.id).where(
+                ServerModel.address == server
+            )
+        if since is not None:
+            q = q.where(o.ts >= since)
+        if until is not None:
+            q = q.where(o.ts < until)
+        with self._session_scope("reading the observation time span") as s:
+            row = s.execute(q).first()
+        if row is None or row[0] is None:
+            return None
+        return float(row[0]), float(row[1])
+
+    def moments(
+        self,
+        *,
+        server: str | None = None,
+        since: float | None = None,
+        until: float | None = None,
+        bin_s: float | None = None,
+        origin: float = 0.0,
+    ) -> list[ObservationMoments]:
+        """Sums and sums of squares per ``(server, time bin, b, k)``, computed by the database.
+
+        For reports: confidence intervals of goodput and time series without moving rows
+        into Python. ``bin_s`` None puts every row in bin 0; otherwise a row at ``ts`` falls
+        in bin ``floor((ts - origin) / bin_s)`` (``origin`` at or before ``since``). Ordered by
+        server, bin, b, k.
+        """
+        if bin_s is not None and not bin_s > 0:
+            raise ValueError(f"bin_s must be > 0, got {bin_s}")
+        o = ObservationModel
+        if bin_s is None:
+            bin_expr: Any = cast(0, Integer)
+        elif self._engine.dialect.name == "sqlite":
+            # SQLite's CAST truncates toward zero (= floor, as ts >= origin); PostgreSQL's
+            # rounds, hence floor() there.
+            bin_expr = cast((o.ts - origin) / bin_s, Integer)
+        else:
+            bin_expr = cast(func.floor((o.ts - origin) / bin_s), Integer)
+        bin_col = bin_expr.label("bin")
+        # Products as doubles: SQLite's integer SUM raises on overflow.
+        e = cast(o.emitted_tokens, Double)
+        q = (
+            select(
+                ServerModel.address,
+                bin_col,
+                o.b,
+                o.k,
+                func.count(o.id),
+                func.sum(o.decode_steps),
+                func.sum(o.emitted_tokens),
+                func.sum(o.accepted_drafts),
+                func.sum(o.drafted_tokens),
+                func.sum(o.busy_s),
+                func.sum(e * e),
+                func.sum(e * o.busy_s),
+                func.sum(o.busy_s * o.busy_s),
+                func.min(o.ts),
+                func.max(o.ts),
+            )
+            .join(ServerModel, o.server_id == ServerModel.id)
+            .group_by(ServerModel.address, bin_col, o.b, o.k)
+            .order_by(ServerModel.address, bin_col, o.b, o.k)
+        )
+        if server is not None:
+            q = q.where(ServerModel.address == server)
+        if since is not None:
+            q = q.where(o.ts >= since)
+        if until is not None:
+            q = q.where(o.ts < until)
+        with self._session_scope("aggregating observation moments") as s:
+            return [
+                ObservationMoments(
+                    server=r[0],
+                    bin=int(r[1]),
+                    b=int(r[2]),
+                    k=int(r[3]),
+                    rows=int(r[4]),
+                    decode_steps=int(r[5]),
+                    emitted_tokens=int(r[6]),
+                    accepted_drafts=int(r[7]),
+                    drafted_tokens=int(r[8]),
+                    busy_s=float(r[9]),
+                    emitted_sq=float(r[10]),
+                    emitted_busy=float(r[11]),
+                    busy_sq=float(r[12]),
+                    first_ts=float(r[13]),
+                    last_ts=float(r[14]),
                 )
                 for r in s.execute(q)
             ]
