@@ -49,6 +49,338 @@ def _command(add: Callable[[argparse._SubParsersAction], None]):
     return add
 
 
+# --- sim ------------------------------------------------------------------------------------
+
+
+@_command
+def _add_sim(sub: argparse._SubParsersAction) -> None:
+    from tuner.sim.engine import DEFAULT_ARMS, DEFAULT_MAX_RUNNING
+    from tuner.sim.profiles import EXTRAPOLATE_MODES, list_profiles
+    from tuner.sim.server import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SIM_LOAD
+    from tuner.sim.workloads import list_workloads
+
+    p = sub.add_parser(
+        "sim",
+        help="run a simulated SGLang server (no GPU) that speaks SGLang's HTTP API",
+        description=(
+            "Serve a simulated SGLang 0.5.23 server with EAGLE-3 speculative decoding and the "
+            "dynspec plugin on loopback, on a virtual clock calibrated from a cost profile. "
+            "Runs until Ctrl-C."
+        ),
+    )
+    p.add_argument(
+        "--profile",
+        default="h200-llama8b",
+        metavar="NAME|FILE",
+        help=f"cost profile: {', '.join(list_profiles())}, or a .jsonl cost table / parametric .json",
+    )
+    p.add_argument(
+        "--workload",
+        default="chat",
+        metavar="W",
+        help=f"{', '.join(list_workloads())}, or phases like 'chat:300,code:120' (default chat)",
+    )
+    p.add_argument(
+        "--load",
+        default=DEFAULT_SIM_LOAD,
+        metavar="SCHEDULE",
+        help=(
+            "built-in traffic: 'SECONDS:CONCURRENCY,...' closed-loop phases (last one holds; "
+            "prefix 'loop:' to cycle), 'poisson:RATE[:SECONDS]', 'trace:FILE.csv', or 'none' "
+            f"(default {DEFAULT_SIM_LOAD})"
+        ),
+    )
+    p.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST})")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"0 = any free port (default {DEFAULT_PORT})")
+    p.add_argument(
+        "--speed", type=float, default=1.0, metavar="X", help="virtual seconds per real second (default 1)"
+    )
+    p.add_argument(
+        "--max-running",
+        type=int,
+        metavar="N",
+        help=f"running-request cap (default: the profile's, else {DEFAULT_MAX_RUNNING})",
+    )
+    p.add_argument(
+        "--arms",
+        type=_csv_ints,
+        default=DEFAULT_ARMS,
+        metavar="K,K,...",
+        help=f"draft-step counts the server builds (default {','.join(map(str, DEFAULT_ARMS))})",
+    )
+    p.add_argument(
+        "--skip-zero-draft-extend",
+        action="store_true",
+        help="model SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1 (k=0 skips the draft extend; cold recovery after)",
+    )
+    p.add_argument(
+        "--extrapolate",
+        choices=EXTRAPOLATE_MODES,
+        default="refuse",
+        help="beyond a cost table's measured batch sizes (default refuse)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_sim)
+
+
+def _cmd_sim(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from tuner.sim.load import parse_load
+    from tuner.sim.profiles import load_profile
+    from tuner.sim.server import SimServer
+    from tuner.sim.workloads import get_workload
+
+    if not args.speed > 0:
+        raise ConfigError(f"--speed must be > 0, got {args.speed}")
+    if args.max_running is not None and args.max_running < 1:
+        raise ConfigError(f"--max-running must be >= 1, got {args.max_running}")
+    if not args.arms or min(args.arms) < 0:
+        raise ConfigError(f"--arms must be integers >= 0, got {args.arms}")
+    profile = load_profile(args.profile, extrapolate=args.extrapolate)
+    workload = get_workload(args.workload)
+    load = parse_load(args.load, seed=args.seed)
+    try:
+        server = SimServer(
+            profile=profile,
+            workload=workload,
+            load=load,
+            arms=args.arms,
+            max_running=args.max_running,
+            skip_zero_draft_extend=args.skip_zero_draft_extend,
+            seed=args.seed,
+            speed=args.speed,
+            host=args.host,
+            port=args.port,
+        )
+        server.start()
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {args.host}:{args.port}: {exc}") from exc
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    eng = server.engine
+    console.print(
+        f"simulated SGLang {server.url}  profile {profile.name}  workload {workload.name}  "
+        f"load {args.load}  arms {','.join(map(str, eng.arms))}  max_running {eng.max_running}  "
+        f"speed x{args.speed:g}",
+        markup=False,
+    )
+    console.print(f"watch it: curl {server.url}/server_info    stop: Ctrl-C", markup=False)
+    try:
+        while not stop.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    snap = server.engine.snapshot()
+    console.print(
+        f"stopped after {snap['now']:.0f} virtual s: {snap['decode_steps']} decode steps, "
+        f"{snap['requests_finished']} requests finished",
+        markup=False,
+    )
+    return 0
+
+
+# --- calibrate ------------------------------------------------------------------------------
+
+
+@_command
+def _add_calibrate(sub: argparse._SubParsersAction) -> None:
+    from tuner.calibrate import (
+        DEFAULT_CTX,
+        DEFAULT_DRAFT_RATIO,
+        DEFAULT_DTYPE,
+        DEFAULT_MIN_STEPS,
+        DEFAULT_REPLAYS,
+        DEFAULT_WARMUP,
+        DTYPES,
+        SHAPES,
+    )
+    from tuner.calibrate._grid import DEFAULT_BATCH_SIZES, DEFAULT_TOKENS_PER_SEQ
+
+    p = sub.add_parser(
+        "calibrate",
+        help="measure a GPU's cost table (torch), or fit one from a server's history",
+        description=(
+            "Write a cost table for the simulator (JSON lines, shared/calibration format). "
+            "--shape times a random-weight decoder and its EAGLE-3-style draft on this "
+            "machine's CUDA GPU (needs pip install 'dynspec-tuner[gpu]'); --from-db fits one "
+            "to the step times a live server reported, so the simulator replays that server."
+        ),
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument(
+        "--shape",
+        metavar="NAME|FILE",
+        help=f"model shape: {', '.join(SHAPES)}, or a JSON file (our fields or an HF config.json)",
+    )
+    src.add_argument("--from-db", metavar="URL", help="database URL of the tuner's history")
+    p.add_argument("--out", required=True, metavar="FILE", help="table to write (.jsonl)")
+    g = p.add_argument_group("measuring (--shape)")
+    g.add_argument("--ctx", type=int, default=DEFAULT_CTX, help="KV-cache tokens per sequence")
+    g.add_argument(
+        "--batch-sizes",
+        type=_csv_ints,
+        default=DEFAULT_BATCH_SIZES,
+        metavar="B,B,...",
+        help=f"default {','.join(map(str, DEFAULT_BATCH_SIZES))}",
+    )
+    g.add_argument(
+        "--tokens-per-seq",
+        type=_csv_ints,
+        default=DEFAULT_TOKENS_PER_SEQ,
+        metavar="Q,Q,...",
+        help=f"query tokens per sequence (k+1 verifies k drafts); default "
+        f"{','.join(map(str, DEFAULT_TOKENS_PER_SEQ))}",
+    )
+    g.add_argument("--dtype", choices=sorted(DTYPES), default=DEFAULT_DTYPE)
+    g.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, help="graph replays before timing")
+    g.add_argument("--replays", type=int, default=DEFAULT_REPLAYS, help="timed graph replays")
+    g.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    f = p.add_argument_group("fitting (--from-db)")
+    f.add_argument("--server", metavar="ADDR", help="the server whose history to fit (host:port)")
+    f.add_argument(
+        "--draft-ratio",
+        type=float,
+        default=DEFAULT_DRAFT_RATIO,
+        help="draft forward time as a share of the target's (step times cannot separate them)",
+    )
+    f.add_argument(
+        "--skip-zero-draft-extend",
+        action="store_true",
+        help="the server ran with SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1",
+    )
+    f.add_argument(
+        "--graph-max-bs",
+        type=int,
+        metavar="N",
+        help="the server's largest CUDA-graph batch size (default: SGLang's); batch sizes pad "
+        "to SGLang's capture list up to it",
+    )
+    f.add_argument(
+        "--no-graph-padding", action="store_true", help="do not pad batch sizes to graph sizes"
+    )
+    f.add_argument(
+        "--min-steps",
+        type=int,
+        default=DEFAULT_MIN_STEPS,
+        help="decode steps a (b, k) needs to count as measured",
+    )
+    f.add_argument("--since", type=float, metavar="UNIX_TS", help="only observations from then on")
+    p.set_defaults(func=_cmd_calibrate)
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    if args.from_db is not None:
+        return _calibrate_from_db(args)
+    return _calibrate_gpu(args)
+
+
+def _calibrate_gpu(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from tuner.calibrate import CalibrationGrid, CalibrationSettings, resolve_shape, write_table
+    from tuner.calibrate import gpu
+
+    if args.server is not None:
+        raise ConfigError("--server goes with --from-db, not --shape")
+    shape = resolve_shape(args.shape)
+    try:
+        grid = CalibrationGrid(batch_sizes=args.batch_sizes, tokens_per_seq=args.tokens_per_seq)
+        settings = CalibrationSettings(
+            ctx=args.ctx, dtype=args.dtype, warmup=args.warmup, replays=args.replays, seed=args.seed
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    problem = gpu.cuda_problem()
+    if problem is not None:
+        raise ConfigError(f"--shape times forwards on a CUDA GPU: {problem}")
+    columns = (
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console, transient=False) as bar:
+        task = bar.add_task(f"{shape.name} ctx {settings.ctx}", total=len(grid))
+
+        def on_point(p: gpu.Progress) -> None:
+            last = f"b={p.b} q={p.q}"
+            if p.row is not None:
+                last += f" target {p.row.target_ms:.2f} ms draft {p.row.draft_ms:.3f} ms"
+            bar.update(task, completed=p.done, description=f"{shape.name} {last}")
+
+        result = gpu.measure(shape, grid, settings, progress=on_point)
+    out = write_table(args.out, result.info, result.rows)
+    console.print(
+        f"wrote {out}: {len(result.rows)} of {len(grid)} points on {result.info['gpu']} "
+        f"(torch {result.info['torch']})",
+        markup=False,
+    )
+    if result.stopped is not None:
+        err_console.print(
+            f"stopped early: {result.stopped}; not measured: "
+            + ", ".join(f"b={b} q={q}" for b, q in result.skipped[:8])
+            + (" ..." if len(result.skipped) > 8 else ""),
+            markup=False,
+        )
+    return 130 if result.interrupted else 0
+
+
+def _calibrate_from_db(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from storage import Storage
+    from tuner.calibrate import fit_from_storage, write_table
+    from tuner.sim.graphs import DEFAULT_GRAPH_MAX_BS, cuda_graph_bs
+
+    if args.server is None:
+        raise ConfigError("--from-db needs --server ADDR (the server whose history to fit)")
+    max_bs = DEFAULT_GRAPH_MAX_BS if args.graph_max_bs is None else args.graph_max_bs
+    graph_bs = None if args.no_graph_padding else cuda_graph_bs(max_bs)
+    with Storage(args.from_db, read_only=True) as st:
+        try:
+            result = fit_from_storage(
+                st,
+                args.server,
+                since=args.since,
+                draft_ratio=args.draft_ratio,
+                skip_zero_draft_extend=args.skip_zero_draft_extend,
+                graph_bs=graph_bs,
+                min_steps=args.min_steps,
+                info={"name": f"fitted-{args.server}"},
+            )
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+    out = write_table(args.out, result.info, result.rows)
+    qs = sorted({r.q for r in result.rows})
+    table = Table(title=f"target ms per forward, fitted to {args.server}")
+    table.add_column("b", justify="right")
+    for q in qs:
+        table.add_column(f"q={q}", justify="right")
+    style = {"measured": "bold", "interpolated": "cyan", "extrapolated": "yellow"}
+    cells = {(r.b, r.q): r for r in result.rows}
+    for b in sorted({r.b for r in result.rows}):
+        row = [str(b)]
+        for q in qs:
+            r = cells[(b, q)]
+            row.append(f"[{style[r.source]}]{r.target_ms:.3f}{'' if r.source == 'measured' else '*'}[/]")
+        table.add_row(*row)
+    console.print(table)
+    console.print(
+        f"cells: {result.count('measured')} measured (bold), {result.count('interpolated')} "
+        f"interpolated (cyan*), {result.count('extrapolated')} extrapolated (yellow*); "
+        f"draft = {args.draft_ratio:g} x target",
+        markup=False,
+    )
+    for cell, why in result.ignored:
+        err_console.print(f"left out b={cell.b} k={cell.k}: {why}", markup=False)
+    console.print(f"wrote {out}", markup=False)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="dynspec-tuner",
