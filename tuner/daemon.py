@@ -1,0 +1,815 @@
+"""The loop: read servers -> observations -> storage -> policy -> push table.
+
+One :class:`Daemon` drives every server of a :class:`~tuner.config.TunerConfig`. Each tick
+(:meth:`Daemon.run_once`), for each server independently:
+
+1. read the plugin's state (``/server_info``; ``/metrics`` for stock SGLang);
+2. turn counter deltas into observations (a restart - new start time, counters going
+   backwards - gives no negative deltas and schedules a re-push of the current table);
+3. feed the policy;
+4. each decision period, ask the policy for a table and push it when it differs, with a
+   version above anything the server or the history has seen;
+
+then write everything the tick produced in one transaction. A failing server is retried with
+backoff and reported once per outage; a failing database is retried every tick with the rows
+kept in memory. On stop, each server gets its greedy table (never an exploration table) and
+the history is flushed.
+
+Time and waiting are injected (``clock``, ``wait``) so tests drive ticks with a fake clock.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from policies import BasePolicy, Buckets, Observation, PolicySnapshot, make_policy
+from storage import (
+    EventRecord,
+    ObservationRecord,
+    PolicyVersionRecord,
+    ServerSeen,
+    Storage,
+)
+from tuner.client import SGLangClient
+from tuner.config import TunerConfig
+from tuner.errors import (
+    ConfigError,
+    MalformedReplyError,
+    PluginMissingError,
+    ServerError,
+    ServerUnavailableError,
+    StorageError,
+)
+from tuner.protocol import DynspecState, ProtocolError, Table, format_table, validate_table
+
+__all__ = [
+    "DEFAULT_MAX_BUFFERED_ROWS",
+    "DEFAULT_PLUGIN_RECHECK_S",
+    "Daemon",
+    "DaemonStatus",
+    "PushInfo",
+    "ServerStatus",
+    "TickSummary",
+]
+
+log = logging.getLogger(__name__)
+
+# Rows kept in memory while the database is unavailable (about 100 bytes each). Beyond this
+# the oldest observations are dropped, and counted, rather than exhausting memory.
+DEFAULT_MAX_BUFFERED_ROWS = 200_000
+# A server in metrics-only mode is asked again for the plugin's section this often, so a
+# server restarted with the plugin is picked up without restarting the daemon.
+DEFAULT_PLUGIN_RECHECK_S = 60.0
+
+PolicyFactory = Callable[[tuple[int, ...], Buckets], BasePolicy]
+
+
+@dataclass(frozen=True, slots=True)
+class PushInfo:
+    """The last table decided for a server."""
+
+    ts: float
+    version: int
+    table: Table
+    reason: str
+    outcome: str  # applied / rejected / dry_run / unsent
+
+
+@dataclass(frozen=True)
+class ServerStatus:
+    """What the daemon knows about one server, as of the end of a tick."""
+
+    address: str
+    mode: str  # connecting / plugin / metrics-only
+    up: bool | None
+    arms: tuple[int, ...]
+    version: int
+    server_table: Table | None  # what the server runs (as last read or pushed)
+    snapshot: PolicySnapshot | None
+    last_push: PushInfo | None
+    last_error: str | None
+    down_since: float | None
+    observations: int  # fed to the policy since the daemon started
+    decode_steps: int
+    interval_goodput: float  # emitted tokens per busy second over the last tick (NaN: none)
+    pushes: int
+    restarts: int
+
+
+@dataclass(frozen=True)
+class DaemonStatus:
+    """A consistent picture of the daemon after a tick, for status lines and tests."""
+
+    ts: float
+    ticks: int
+    policy: str
+    dry_run: bool
+    servers: tuple[ServerStatus, ...]
+    storage_ok: bool
+    buffered_rows: int
+    dropped_rows: int
+
+
+@dataclass(frozen=True)
+class TickSummary:
+    """What one tick did (returned by :meth:`Daemon.run_once`)."""
+
+    ts: float
+    observations: int
+    pushes: int
+    stored: bool  # the tick's rows (and any buffered ones) reached the database
+
+
+@dataclass
+class _Server:
+    """Per-server state of the loop (private, mutable)."""
+
+    address: str
+    client: SGLangClient
+    mode: str = "connecting"
+    arms: tuple[int, ...] = ()
+    policy: BasePolicy | None = None
+    prev: list[DynspecState] | None = None
+    version: int = 0  # highest version known to be used (ours, the server's, the history's)
+    server_table: Table | None = None
+    desired: Table | None = None  # what we want the server to run (re-pushed after restarts)
+    needs_push: bool = False
+    last_decision: float | None = None
+    dry_last: Table | None = None
+    started_at: float | None = None
+    # Trouble (outage, malformed replies) is reported once per streak.
+    down_since: float | None = None
+    trouble_kind: str | None = None
+    next_attempt: float = -math.inf
+    backoff: float = 0.0
+    last_error: str | None = None
+    last_push: PushInfo | None = None
+    sampler: Any = None  # MetricsSampler in metrics-only mode
+    plugin_checked: float = -math.inf
+    observations: int = 0
+    decode_steps: int = 0
+    interval_goodput: float = math.nan
+    pushes: int = 0
+    restarts: int = 0
+    rejected_seen: list[int] = field(default_factory=list)
+
+
+class _Buffer:
+    """Rows waiting for the database: everything since the last successful write."""
+
+    def __init__(self, max_rows: int) -> None:
+        self.max_rows = max_rows
+        self.servers: dict[tuple[str, float | None], ServerSeen] = {}
+        self.observations: collections.deque[ObservationRecord] = collections.deque()
+        self.versions: list[PolicyVersionRecord] = []
+        self.events: list[EventRecord] = []
+        self.dropped = 0
+
+    def __len__(self) -> int:
+        return len(self.observations) + len(self.versions) + len(self.events)
+
+    def add_observations(self, rows: Iterable[ObservationRecord]) -> None:
+        self.observations.extend(rows)
+        excess = len(self) - self.max_rows
+        while excess > 0 and self.observations:
+            self.observations.popleft()
+            self.dropped += 1
+            excess -= 1
+
+    def seen(self, row: ServerSeen) -> None:
+        self.servers[(row.address, row.started_at)] = row
+
+    def clear(self) -> None:
+        self.servers.clear()
+        self.observations.clear()
+        self.versions.clear()
+        self.events.clear()
+
+
+class Daemon:
+    """Runs the tuning loop for every server of ``config``.
+
+    Args:
+        config: the built configuration.
+        storage: the history; None keeps everything in memory only (tests, experiments).
+        clients: one :class:`SGLangClient` per server address; built from ``config`` (and
+            ``transport``) when None. The daemon closes the clients it built.
+        transport: an httpx transport for the clients it builds (tests).
+        policy_factory: ``(arms, buckets) -> policy``; defaults to
+            ``policies.make_policy(config.policy, ...)``.
+        metrics: a ``tuner.tuner_metrics.TunerMetrics`` to keep up to date, or None.
+        clock: seconds (wall-clock epoch by default; recorded in the history).
+        wait: ``wait(seconds) -> stopped`` between ticks; defaults to waiting on the stop
+            event, so :meth:`request_stop` (e.g. from a signal handler) ends a wait at once.
+        on_tick: called with a :class:`DaemonStatus` after every tick (live status).
+
+    Raises:
+        ConfigError: an unknown policy or bad policy parameters.
+    """
+
+    def __init__(
+        self,
+        config: TunerConfig,
+        *,
+        storage: Storage | None,
+        clients: Mapping[str, SGLangClient] | None = None,
+        transport: Any = None,
+        policy_factory: PolicyFactory | None = None,
+        metrics: Any = None,
+        clock: Callable[[], float] = time.time,
+        wait: Callable[[float], bool] | None = None,
+        on_tick: Callable[[DaemonStatus], None] | None = None,
+        max_buffered_rows: int = DEFAULT_MAX_BUFFERED_ROWS,
+    ) -> None:
+        self.config = config
+        self.storage = storage
+        self.buckets = Buckets(config.buckets) if config.buckets else Buckets()
+        self._policy_factory = policy_factory or self._default_factory(config)
+        self.metrics = metrics
+        self.clock = clock
+        self._stop = threading.Event()
+        self._wait = wait or self._stop.wait
+        self.on_tick = on_tick
+        self._own_clients = clients is None
+        if clients is None:
+            clients = {
+                s: SGLangClient(
+                    s, api_key=config.api_key, timeout=config.timeout_s, transport=transport
+                )
+                for s in config.servers
+            }
+        missing = [s for s in config.servers if s not in clients]
+        if missing:
+            raise ConfigError(f"no client for server {missing[0]}")
+        self._servers = [_Server(address=s, client=clients[s]) for s in config.servers]
+        self._buffer = _Buffer(max_buffered_rows)
+        self._storage_down_since: float | None = None
+        self._ticks = 0
+        self._started = False
+        self._closed = False
+        self._status: DaemonStatus | None = None
+
+    @staticmethod
+    def _default_factory(config: TunerConfig) -> PolicyFactory:
+        name, seed = config.policy, config.seed
+        try:  # fail now, naming the policy, not at the first server reading
+            make_policy(name, arms=(0, 1), seed=seed)
+        except ValueError as exc:
+            raise ConfigError(f"policy: {exc}") from exc
+        return lambda arms, buckets: make_policy(name, arms=arms, buckets=buckets, seed=seed)
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Ask :meth:`run` to finish after the current tick (safe from signal handlers)."""
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def run(self) -> int:
+        """Tick every ``interval_s`` until stopped or ``duration_s`` has passed, then
+        :meth:`shutdown`. Returns the process exit status (0)."""
+        cfg = self.config
+        start = self.clock()
+        deadline = None if cfg.duration_s is None else start + cfg.duration_s
+        next_tick = start
+        try:
+            while not self._stop.is_set():
+                self.run_once()
+                now = self.clock()
+                if deadline is not None and now >= deadline:
+                    break
+                next_tick += cfg.interval_s
+                if next_tick < now:  # a slow tick: skip the missed slots, do not burst
+                    next_tick = now
+                until = next_tick if deadline is None else min(next_tick, deadline)
+                if self._wait(max(0.0, until - now)):
+                    break
+        finally:
+            self.shutdown()
+        return 0
+
+    def _start(self) -> None:
+        self._started = True
+        mode = "dry run (no pushes)" if self.config.dry_run else "pushing tables"
+        log.info(
+            "tuning %s with policy %s, %s; buckets %s; history in %s",
+            ", ".join(self.config.servers),
+            self.config.policy,
+            mode,
+            ",".join(map(str, self.buckets.edges)),
+            self.storage.url if self.storage else "memory only",
+        )
+        self._buffer.events.append(
+            EventRecord(None, self.clock(), "start", f"policy={self.config.policy} {mode}")
+        )
+
+    def shutdown(self) -> None:
+        """Leave every reachable server on its greedy table, flush the history, close."""
+        if self._closed:
+            return
+        self._closed = True
+        now = self.clock()
+        for srv in self._servers:
+            if (
+                self.config.dry_run
+                or srv.mode != "plugin"
+                or srv.policy is None
+                or srv.down_since is not None
+            ):
+                continue
+            greedy = srv.policy.greedy()
+            if greedy != srv.server_table:
+                self._push(srv, greedy, "shutdown: greedy table", now)
+        self._buffer.events.append(EventRecord(None, now, "stop", ""))
+        if not self._flush(now) and self.storage is not None:
+            log.error(
+                "history: %d rows could not be written to %s and are lost",
+                len(self._buffer),
+                self.storage.url,
+            )
+        if self._own_clients:
+            for srv in self._servers:
+                srv.client.close()
+
+    # --- one tick ---------------------------------------------------------------------------
+
+    def run_once(self) -> TickSummary:
+        """One tick over every server, then one write to the history."""
+        if not self._started:
+            self._start()
+        now = self.clock()
+        n_obs = n_push = 0
+        for srv in self._servers:
+            if now < srv.next_attempt:
+                continue
+            try:
+                o, p = self._tick_server(srv, now)
+            except Exception as exc:  # a bug for one server must not stop the others
+                log.exception("%s: unexpected error in the tick", srv.address)
+                self._trouble(srv, now, "malformed_reply", f"internal error: {exc!r}")
+                continue
+            n_obs += o
+            n_push += p
+        stored = self._flush(now)
+        self._ticks += 1
+        self._publish(now)
+        return TickSummary(ts=now, observations=n_obs, pushes=n_push, stored=stored)
+
+    def _tick_server(self, srv: _Server, now: float) -> tuple[int, int]:
+        try:
+            if srv.mode == "metrics-only":
+                observations = self._read_metrics_only(srv, now)
+            else:
+                observations = self._read_plugin(srv, now)
+        except PluginMissingError as exc:
+            self._enter_metrics_only(srv, now, exc)
+            return 0, 0
+        except ServerUnavailableError as exc:
+            self._trouble(srv, now, "outage", str(exc))
+            return 0, 0
+        except ServerError as exc:  # malformed replies, refused API key ...
+            self._trouble(srv, now, "malformed_reply", str(exc))
+            return 0, 0
+        self._recovered(srv, now)
+        used = self._learn(srv, observations, now)
+        pushes = self._decide(srv, now)
+        return used, pushes
+
+    # --- reading ----------------------------------------------------------------------------
+
+    def _read_plugin(self, srv: _Server, now: float) -> list[Observation]:
+        states = srv.client.read_state()
+        arms = states[0].arms
+        if any(s.arms != arms for s in states):
+            raise MalformedReplyError(
+                srv.address, f"DP replicas report different arms: {[s.arms for s in states]}"
+            )
+        if srv.mode != "plugin":
+            if srv.mode == "metrics-only":
+                log.info("%s: the dynspec plugin is loaded now; leaving metrics-only mode",
+                         srv.address)
+            srv.mode = "plugin"
+            srv.sampler = None
+            if self.metrics is not None:
+                self.metrics.set_plugin_loaded(srv.address, True)
+        if srv.policy is None or arms != srv.arms:
+            if srv.policy is not None:
+                self._event(srv.address, now, "arms_changed", f"{srv.arms} -> {arms}")
+                log.warning("%s: arms changed %s -> %s; rebuilding the policy",
+                            srv.address, srv.arms, arms)
+            self._build_policy(srv, arms)
+            srv.prev = None
+            # Start the first decision one period from now, after seeing the server's own
+            # table at work; a restart re-push still goes out at once.
+            srv.last_decision = now
+        srv.version = max(srv.version, *(s.policy_version for s in states))
+        tables = {s.table for s in states}
+        srv.server_table = states[0].table if len(tables) == 1 else None
+        if len(tables) > 1 and srv.desired is not None:
+            srv.needs_push = True  # replicas disagree: bring them back in step
+        srv.started_at = states[0].started_at
+        self._buffer.seen(ServerSeen(srv.address, arms, now, srv.started_at))
+        observations = self._deltas(srv, states, now)
+        srv.prev = states
+        return observations
+
+    def _deltas(self, srv: _Server, states: list[DynspecState], now: float) -> list[Observation]:
+        prev = srv.prev
+        if prev is None:
+            # First reading: counters since the server started, under tables we did not
+            # choose, possibly already in the history. A baseline, not an observation.
+            srv.rejected_seen = [s.updates_rejected for s in states]
+            return []
+        if len(prev) != len(states):
+            self._restart(srv, now, f"DP replicas {len(prev)} -> {len(states)}")
+            srv.rejected_seen = [s.updates_rejected for s in states]
+            return []
+        merged: dict[tuple[int, int], list[float]] = {}
+        for i, (p, s) in enumerate(zip(prev, states)):
+            seen = srv.rejected_seen[i] if i < len(srv.rejected_seen) else p.updates_rejected
+            if s.updates_rejected > seen:
+                detail = f"replica {i}: {s.last_rejection or 'no reason given'}"
+                self._event(srv.address, now, "update_rejected", detail)
+                log.warning("%s: an update was refused (%s)", srv.address, detail)
+                if self.metrics is not None:
+                    self.metrics.record_rejected_update(srv.address)
+            if s.started_at != p.started_at:
+                self._restart(srv, now, f"replica {i}: started_at {p.started_at} -> {s.started_at}")
+                if s.started_at > p.started_at:
+                    # Counters of a restarted server count from zero: all of it is new.
+                    for c in s.counters:
+                        _add(merged, c.b, c.k, c.decode_steps, c.emitted_tokens,
+                             c.accepted_drafts, c.drafted_tokens, c.busy_s)
+                continue
+            old = {(c.b, c.k): c for c in p.counters}
+            if len(s.counters) < len(old) or any(
+                _backwards(old.get((c.b, c.k)), c) for c in s.counters
+            ):
+                self._restart(srv, now, f"replica {i}: counters went backwards")
+                continue
+            for c in s.counters:
+                o = old.get((c.b, c.k))
+                if o is None:
+                    d = (c.decode_steps, c.emitted_tokens, c.accepted_drafts, c.drafted_tokens,
+                         c.busy_s)
+                else:
+                    if c.decode_steps == o.decode_steps:
+                        continue
+                    d = (c.decode_steps - o.decode_steps, c.emitted_tokens - o.emitted_tokens,
+                         c.accepted_drafts - o.accepted_drafts,
+                         c.drafted_tokens - o.drafted_tokens, max(0.0, c.busy_s - o.busy_s))
+                _add(merged, c.b, c.k, *d)
+        srv.rejected_seen = [s.updates_rejected for s in states]
+        return [
+            Observation(b, k, int(v[0]), int(v[1]), int(v[2]), int(v[3]), float(v[4]))
+            for (b, k), v in sorted(merged.items())
+            if v[0] > 0
+        ]
+
+    def _restart(self, srv: _Server, now: float, detail: str) -> None:
+        srv.restarts += 1
+        self._event(srv.address, now, "restart", detail)
+        if self.metrics is not None:
+            self.metrics.record_restart(srv.address)
+        if srv.desired is not None and not self.config.dry_run:
+            srv.needs_push = True
+            log.warning("%s: server restarted (%s); re-pushing the current table",
+                        srv.address, detail)
+        else:
+            log.warning("%s: server restarted (%s)", srv.address, detail)
+
+    def _enter_metrics_only(self, srv: _Server, now: float, exc: PluginMissingError) -> None:
+        from tuner.metrics_only import MetricsSampler, metrics_only_notice
+
+        self._recovered(srv, now)
+        if srv.mode != "metrics-only":
+            log.warning("%s", metrics_only_notice(srv.address))
+            self._event(srv.address, now, "plugin_missing", str(exc))
+            srv.mode = "metrics-only"
+            srv.sampler = MetricsSampler(server=srv.address, buckets=self.buckets)
+            srv.prev = None
+            srv.plugin_checked = now
+            if self.metrics is not None:
+                self.metrics.set_plugin_loaded(srv.address, False)
+
+    def _read_metrics_only(self, srv: _Server, now: float) -> list[Observation]:
+        from tuner.metrics_only import LOADS_PATH
+
+        if now - srv.plugin_checked >= DEFAULT_PLUGIN_RECHECK_S:
+            srv.plugin_checked = now
+            try:
+                return self._read_plugin(srv, now)
+            except PluginMissingError:
+                pass
+        text = srv.client.metrics_text()
+        loads = srv.client.loads(LOADS_PATH)
+        observations = srv.sampler.observe(text, loads, now=now)
+        ks = {o.k for o in observations}
+        if srv.policy is None or not ks <= set(srv.arms):
+            arms = tuple(sorted(set(srv.arms) | ks)) or ()
+            if arms:
+                self._build_policy(srv, arms)
+        self._buffer.seen(ServerSeen(srv.address, srv.arms, now, None))
+        return observations
+
+    # --- learning and deciding --------------------------------------------------------------
+
+    def _build_policy(self, srv: _Server, arms: tuple[int, ...]) -> None:
+        """A fresh policy for ``arms``, warm-started from this server's history."""
+        srv.arms = arms
+        policy = self._policy_factory(arms, self.buckets)
+        rows: list[ObservationRecord] = []
+        if self.storage is not None:
+            try:
+                rows = self.storage.warm_start(srv.address, arms=arms)
+                latest = self.storage.latest_policy_version(srv.address)
+                if latest is not None:
+                    srv.version = max(srv.version, latest.version)
+            except StorageError as exc:
+                log.warning("%s: no warm start, the history is unavailable: %s",
+                            srv.address, exc)
+        allowed = set(arms)
+        pending = [o for o in self._buffer.observations if o.server == srv.address]
+        used = steps = 0
+        for r in [*rows, *pending]:
+            if r.k not in allowed:
+                continue
+            if policy.update(
+                Observation(r.b, r.k, r.decode_steps, r.emitted_tokens, r.accepted_drafts,
+                            r.drafted_tokens, r.busy_s)
+            ):
+                used += 1
+                steps += r.decode_steps
+        if used:
+            log.info("%s: warm start from %d stored observations (%d decode steps)",
+                     srv.address, used, steps)
+        srv.policy = policy
+
+    def _learn(self, srv: _Server, observations: Sequence[Observation], now: float) -> int:
+        if srv.policy is None:
+            return 0
+        records = []
+        used = steps = emitted = 0
+        busy = 0.0
+        for o in observations:
+            records.append(
+                ObservationRecord(srv.address, now, o.b, o.k, int(o.decode_steps),
+                                  int(round(o.emitted_tokens)), int(round(o.accepted_drafts)),
+                                  int(round(o.drafted_tokens)), float(o.busy_s))
+            )
+            if srv.policy.update(o):
+                used += 1
+                steps += o.decode_steps
+                emitted += o.emitted_tokens
+                busy += o.busy_s
+            else:
+                log.debug("%s: observation not used: %s", srv.address, o.problem() or "arm")
+        self._buffer.add_observations(records)
+        srv.observations += used
+        srv.decode_steps += int(steps)
+        srv.interval_goodput = emitted / busy if busy > 0 else math.nan
+        if self.metrics is not None and records:
+            self.metrics.record_observations(srv.address, len(records))
+        return used
+
+    def _decide(self, srv: _Server, now: float) -> int:
+        if srv.mode != "plugin" or srv.policy is None:
+            return 0
+        due = srv.last_decision is None or now - srv.last_decision >= self.config.decision_period_s
+        if not due and not srv.needs_push:
+            return 0
+        if due:
+            srv.last_decision = now
+            proposal = srv.policy.propose()
+            reason = "greedy" if proposal == srv.policy.greedy() else "explore"
+            try:
+                proposal = validate_table(proposal, srv.arms)
+            except ProtocolError as exc:  # a policy bug must never reach a server
+                log.error("%s: policy %s proposed an invalid table (%s); keeping %s",
+                          srv.address, self.config.policy, exc,
+                          format_table(srv.server_table) if srv.server_table else "the table")
+                return 0
+            srv.desired = proposal
+        else:
+            proposal = srv.desired
+            reason = "re-push after restart"
+        if proposal is None:
+            srv.needs_push = False
+            return 0
+        if self.config.dry_run:
+            if proposal != srv.dry_last:
+                srv.dry_last = proposal
+                srv.version += 1
+                self._record_version(srv, now, srv.version, proposal, reason, "dry_run")
+                log.info("%s: would push v%d %s (%s; dry run)", srv.address, srv.version,
+                         format_table(proposal), reason)
+            return 0
+        if proposal == srv.server_table:
+            srv.needs_push = False
+            return 0
+        return self._push(srv, proposal, reason, now)
+
+    def _push(self, srv: _Server, table: Table, reason: str, now: float) -> int:
+        version = srv.version + 1
+        try:
+            reply = srv.client.push(table, version)
+        except ServerUnavailableError as exc:
+            self._record_version(srv, now, version, table, reason, "unsent")
+            self._trouble(srv, now, "outage", str(exc))
+            return 0
+        except (ServerError, ProtocolError) as exc:
+            srv.version = version
+            srv.needs_push = False
+            self._record_version(srv, now, version, table, reason, "rejected")
+            self._event(srv.address, now, "update_rejected", str(exc))
+            log.warning("%s: push of v%d refused: %s", srv.address, version, exc)
+            if self.metrics is not None:
+                self.metrics.record_rejected_update(srv.address)
+            return 0
+        # The version is spent either way: a replica that refused it compares the next one.
+        srv.version = version
+        if all(reply):
+            srv.server_table = table
+            srv.needs_push = False
+            srv.pushes += 1
+            self._record_version(srv, now, version, table, reason, "applied")
+            log.info("%s: pushed v%d %s (%s)", srv.address, version, format_table(table), reason)
+            if self.metrics is not None:
+                self.metrics.record_push(srv.address, version)
+            return 1
+        refused = [i for i, ok in enumerate(reply) if not ok]
+        # Partly applied: replicas now disagree; the next decision pushes to all again.
+        srv.server_table = None if len(refused) < len(reply) else srv.server_table
+        srv.needs_push = False
+        self._record_version(srv, now, version, table, reason, "rejected")
+        log.warning("%s: v%d refused by replica(s) %s; their reason follows on the next reading",
+                    srv.address, version, refused)
+        return 0
+
+    # --- trouble ----------------------------------------------------------------------------
+
+    def _trouble(self, srv: _Server, now: float, kind: str, message: str) -> None:
+        """A failed reading or push: back off, and say so once per streak."""
+        srv.last_error = message
+        first = srv.down_since is None
+        if first:
+            srv.down_since = now
+            srv.backoff = self.config.interval_s
+        else:
+            srv.backoff = min(srv.backoff * 2, self.config.backoff_max_s)
+        if first or kind != srv.trouble_kind:
+            srv.trouble_kind = kind
+            what = "unreachable" if kind == "outage" else "answering unexpectedly"
+            detail = message.removeprefix(f"{srv.address}: ")
+            log.warning("%s %s: %s (retrying with backoff up to %g s; said once until it "
+                        "recovers)", srv.address, what, detail, self.config.backoff_max_s)
+            self._event(srv.address, now, kind, message)
+            if self.metrics is not None and kind == "outage":
+                self.metrics.record_outage(srv.address)
+        if self.metrics is not None:
+            self.metrics.set_up(srv.address, False)
+        srv.next_attempt = now + srv.backoff
+
+    def _recovered(self, srv: _Server, now: float) -> None:
+        if srv.down_since is not None:
+            lasted = now - srv.down_since
+            log.info("%s: back after %.0f s", srv.address, lasted)
+            self._event(srv.address, now, "recovered", f"after {lasted:.1f} s")
+        srv.down_since = None
+        srv.trouble_kind = None
+        srv.last_error = None
+        srv.backoff = 0.0
+        srv.next_attempt = -math.inf
+        if self.metrics is not None:
+            self.metrics.set_up(srv.address, True)
+
+    # --- history ----------------------------------------------------------------------------
+
+    def _event(self, server: str | None, now: float, kind: str, detail: str) -> None:
+        self._buffer.events.append(EventRecord(server, now, kind, detail[:2000]))
+
+    def _record_version(
+        self, srv: _Server, now: float, version: int, table: Table, reason: str, outcome: str
+    ) -> None:
+        self._buffer.versions.append(
+            PolicyVersionRecord(srv.address, now, version, table, self.config.policy, reason,
+                                outcome)
+        )
+        srv.last_push = PushInfo(now, version, table, reason, outcome)
+        if self.metrics is not None and outcome == "applied":
+            self.metrics.set_policy_version(srv.address, version)
+
+    def _flush(self, now: float) -> bool:
+        """Write every buffered row in one transaction; keep them for the next try if not."""
+        buf = self._buffer
+        if self.storage is None:
+            buf.clear()
+            return True
+        if not len(buf) and not buf.servers:
+            return True
+        if self._storage_down_since is not None:
+            lasted = now - self._storage_down_since
+            buf.events.append(
+                EventRecord(None, now, "storage_recovered",
+                            f"after {lasted:.1f} s, {len(buf)} rows buffered, {buf.dropped} dropped")
+            )
+        try:
+            self.storage.record_tick(
+                servers=list(buf.servers.values()),
+                observations=list(buf.observations),
+                policy_versions=buf.versions,
+                events=buf.events,
+            )
+        except StorageError as exc:
+            if self._storage_down_since is None:
+                self._storage_down_since = now
+                log.warning("history unavailable: %s; learning goes on in memory and the "
+                            "write is retried every tick (said once until it recovers)", exc)
+            else:
+                buf.events.pop()  # the storage_recovered event was premature
+            return False
+        if self._storage_down_since is not None:
+            log.info("history writable again: %d buffered rows written", len(buf))
+            self._storage_down_since = None
+        buf.clear()
+        return True
+
+    # --- status -----------------------------------------------------------------------------
+
+    def _publish(self, now: float) -> None:
+        servers = []
+        for srv in self._servers:
+            snap = srv.policy.snapshot() if srv.policy is not None else None
+            if snap is not None and self.metrics is not None:
+                self.metrics.set_snapshot(srv.address, snap)
+            servers.append(
+                ServerStatus(
+                    address=srv.address,
+                    mode=srv.mode,
+                    up=None if srv.mode == "connecting" and srv.down_since is None
+                    else srv.down_since is None,
+                    arms=srv.arms,
+                    version=srv.version,
+                    server_table=srv.server_table,
+                    snapshot=snap,
+                    last_push=srv.last_push,
+                    last_error=srv.last_error,
+                    down_since=srv.down_since,
+                    observations=srv.observations,
+                    decode_steps=srv.decode_steps,
+                    interval_goodput=srv.interval_goodput,
+                    pushes=srv.pushes,
+                    restarts=srv.restarts,
+                )
+            )
+        self._status = DaemonStatus(
+            ts=now,
+            ticks=self._ticks,
+            policy=self.config.policy,
+            dry_run=self.config.dry_run,
+            servers=tuple(servers),
+            storage_ok=self._storage_down_since is None,
+            buffered_rows=len(self._buffer),
+            dropped_rows=self._buffer.dropped,
+        )
+        if self.on_tick is not None:
+            self.on_tick(self._status)
+
+    def status(self) -> DaemonStatus | None:
+        """The picture after the last tick (None before the first)."""
+        return self._status
+
+    def policy_of(self, address: str) -> BasePolicy | None:
+        """The live policy of a server (None until it has been read)."""
+        for srv in self._servers:
+            if srv.address == address:
+                return srv.policy
+        raise KeyError(address)
+
+
+def _add(merged: dict[tuple[int, int], list[float]], b: int, k: int, *d: float) -> None:
+    row = merged.setdefault((b, k), [0, 0, 0, 0, 0.0])
+    for i, v in enumerate(d):
+        row[i] += v
+
+
+def _backwards(old: Any, new: Any) -> bool:
+    if old is None:
+        return False
+    return (
+        new.decode_steps < old.decode_steps
+        or new.emitted_tokens < old.emitted_tokens
+        or new.accepted_drafts < old.accepted_drafts
+        or new.drafted_tokens < old.drafted_tokens
+        or new.busy_s < old.busy_s - 1e-9
+    )
