@@ -6,17 +6,22 @@ probability ``α·δ^(i−1)`` given positions ``1..i−1`` were accepted, so
 request from ``Beta(a, b)``, ``E[α^i] = Π_{j<i} (a+j)/(a+b+j)`` — still exact.
 
 Goodput of ``b`` requests at arm ``k`` = ``b·E[emitted] / step_s(pad(b), k)``: emitted tokens per
-busy second, the quantity the telemetry measures. For a shifting workload pass ``t`` (the mix
-in force then); without it the mix is averaged over the workload's period.
+busy second, the quantity the telemetry measures. ``E[emitted]`` is taken per request-step by
+default (see :func:`workload_emitted`): in a running batch, requests that accept less stay
+longer, so the batch's mean acceptance sits slightly below the per-request mean. For a shifting
+workload pass ``t`` (the mix in force then); without it the mix is averaged over the period.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from functools import lru_cache
+
+import numpy as np
 
 from tuner.sim.graphs import cuda_graph_bs, pad_batch_size
 from tuner.sim.profiles import CostProfile
-from tuner.sim.workloads import Workload, get_workload
+from tuner.sim.workloads import LengthDist, Workload, get_workload
 
 __all__ = [
     "expected_emitted",
@@ -54,10 +59,60 @@ def expected_emitted(alpha: float, delta: float, k: int, *, kappa: float | None 
     return 1.0 + sum(survival(alpha, delta, k, kappa=kappa))
 
 
+@lru_cache(maxsize=8192)
+def _inv_emitted_mean(alpha: float, delta: float, k: int, kappa: float | None) -> float:
+    """``E[1 / emitted]`` over the per-request α distribution (midpoint rule on 4000 points)."""
+    if kappa is None:
+        return 1.0 / expected_emitted(alpha, delta, k)
+    n = 4000
+    x = (np.arange(n) + 0.5) / n
+    a, b = kappa * alpha, kappa * (1.0 - alpha)
+    logpdf = (a - 1.0) * np.log(x) + (b - 1.0) * np.log1p(-x)
+    w = np.exp(logpdf - logpdf.max())
+    w /= w.sum()
+    em = np.ones(n)
+    p = np.ones(n)
+    for i in range(1, k + 1):
+        p = p * x * delta ** (i - 1)
+        em += p
+    return float((w / em).sum())
+
+
+@lru_cache(maxsize=256)
+def _decode_tokens_mean(dist: LengthDist) -> float:
+    """Expected decode tokens of a request (its output length minus the prefill's token)."""
+    z = np.linspace(-8.0, 8.0, 8001)
+    w = np.exp(-0.5 * z * z)
+    w /= w.sum()
+    x = np.clip(np.rint(dist.median * np.exp(dist.sigma * z)), dist.lo, dist.hi)
+    return float((w * np.maximum(x - 1.0, 0.0)).sum())
+
+
 def workload_emitted(
-    workload: Workload | str, family: str, k: int, *, t: float | None = None, heterogeneous: bool = True
+    workload: Workload | str,
+    family: str,
+    k: int,
+    *,
+    t: float | None = None,
+    heterogeneous: bool = True,
+    weighting: str = "request-step",
 ) -> float:
-    """``E[emitted]`` per request-step under a workload's mix at time ``t`` (or period mean)."""
+    """Expected tokens emitted per request per decode step at arm ``k`` under a workload.
+
+    Args:
+        family: the profile's acceptance family.
+        t: the mix in force at virtual time ``t``; None averages the phases by duration.
+        heterogeneous: α drawn per request from the workload's Beta (as the engine does);
+            False fixes α at each class mean.
+        weighting: ``"request-step"`` (default) weights requests by the decode steps they
+            occupy, as a running batch does in steady state: requests that accept less stay
+            longer, and long-output classes fill more of the batch. It equals
+            ``Σ tokens / Σ steps = Σ_c w_c·D_c / Σ_c w_c·D_c·E[1/emitted_c]`` (``D_c`` the
+            class's mean decode tokens). ``"request"`` is the plain per-request mean
+            ``Σ_c w_c·E[emitted_c]`` (the closed form of anchors §3.3).
+    """
+    if weighting not in ("request-step", "request"):
+        raise ValueError(f"weighting must be 'request-step' or 'request', got {weighting!r}")
     wl = get_workload(workload) if isinstance(workload, str) else workload
     kappa = wl.kappa if heterogeneous else None
     if t is not None or wl.stationary:
@@ -70,9 +125,18 @@ def workload_emitted(
             start += ph.duration_s
     total = 0.0
     for pw, mix in parts:
+        if weighting == "request":
+            for w, cls in mix:
+                alpha, delta = cls.alpha_delta(family)
+                total += pw * w * expected_emitted(alpha, delta, k, kappa=kappa)
+            continue
+        tokens = steps = 0.0
         for w, cls in mix:
             alpha, delta = cls.alpha_delta(family)
-            total += pw * w * expected_emitted(alpha, delta, k, kappa=kappa)
+            d = w * _decode_tokens_mean(cls.output)
+            tokens += d
+            steps += d * _inv_emitted_mean(alpha, delta, k, kappa)
+        total += pw * tokens / steps
     return total
 
 
@@ -90,15 +154,19 @@ def expected_goodput(
     skip_zero_draft_extend: bool = False,
     graph_bs: Sequence[int] | None = None,
     heterogeneous: bool = True,
+    weighting: str = "request-step",
 ) -> float:
     """Expected emitted tokens per busy second of decode steps of ``b`` requests at arm ``k``.
 
     Args:
-        graph_bs: captured CUDA-graph batch sizes (default: SGLang's list); pass ``()`` for no
-            padding.
+        graph_bs: captured CUDA-graph batch sizes (default: SGLang's list up to 512); pass
+            ``()`` for no padding.
+        t, heterogeneous, weighting: see :func:`workload_emitted`.
     """
     padded = pad_batch_size(b, _graphs(graph_bs))
-    em = workload_emitted(workload, profile.acceptance, k, t=t, heterogeneous=heterogeneous)
+    em = workload_emitted(
+        workload, profile.acceptance, k, t=t, heterogeneous=heterogeneous, weighting=weighting
+    )
     return b * em / profile.step_s(padded, k, skip_zero_draft_extend=skip_zero_draft_extend)
 
 
@@ -107,15 +175,31 @@ def oracle_arm(
     workload: Workload | str,
     b: int,
     arms: Iterable[int],
-    **kw: object,
+    *,
+    t: float | None = None,
+    skip_zero_draft_extend: bool = False,
+    graph_bs: Sequence[int] | None = None,
+    heterogeneous: bool = True,
+    weighting: str = "request-step",
 ) -> int:
     """The arm with the highest expected goodput at batch size ``b`` (smallest ``k`` on ties)."""
     best_k, best_g = None, -1.0
     for k in sorted(set(arms)):
-        g = expected_goodput(profile, workload, b, k, **kw)  # type: ignore[arg-type]
+        g = expected_goodput(
+            profile,
+            workload,
+            b,
+            k,
+            t=t,
+            skip_zero_draft_extend=skip_zero_draft_extend,
+            graph_bs=graph_bs,
+            heterogeneous=heterogeneous,
+            weighting=weighting,
+        )
         if g > best_g * (1 + 1e-12):
             best_k, best_g = k, g
-    assert best_k is not None, "arms must not be empty"
+    if best_k is None:
+        raise ValueError("arms must not be empty")
     return best_k
 
 
@@ -125,7 +209,11 @@ def oracle_table(
     arms: Iterable[int],
     *,
     max_batch: int,
-    **kw: object,
+    t: float | None = None,
+    skip_zero_draft_extend: bool = False,
+    graph_bs: Sequence[int] | None = None,
+    heterogeneous: bool = True,
+    weighting: str = "request-step",
 ) -> Table:
     """The per-batch-size oracle as a policy table covering ``1..max_batch`` (then unbounded).
 
@@ -134,7 +222,17 @@ def oracle_table(
     arms = tuple(sorted(set(arms)))
     rows: list[tuple[int | None, int]] = []
     for b in range(1, max_batch + 1):
-        k = oracle_arm(profile, workload, b, arms, **kw)
+        k = oracle_arm(
+            profile,
+            workload,
+            b,
+            arms,
+            t=t,
+            skip_zero_draft_extend=skip_zero_draft_extend,
+            graph_bs=graph_bs,
+            heterogeneous=heterogeneous,
+            weighting=weighting,
+        )
         if rows and rows[-1][1] == k:
             rows[-1] = (b, k)
         else:
@@ -152,8 +250,12 @@ def _lookup(table: Table, b: int) -> int:
 
 def _weights(batch_sizes: Mapping[int, float] | Iterable[int]) -> dict[int, float]:
     if isinstance(batch_sizes, Mapping):
-        return {int(b): float(w) for b, w in batch_sizes.items() if w > 0}
-    return {int(b): 1.0 for b in batch_sizes}
+        out = {int(b): float(w) for b, w in batch_sizes.items() if w > 0}
+    else:
+        out = {int(b): 1.0 for b in batch_sizes}
+    if not out or min(out) < 1:
+        raise ValueError("batch_sizes must name at least one batch size >= 1 with weight > 0")
+    return out
 
 
 def table_goodput(
@@ -162,8 +264,11 @@ def table_goodput(
     table: Table,
     batch_sizes: Mapping[int, float] | Iterable[int],
     *,
+    t: float | None = None,
+    skip_zero_draft_extend: bool = False,
     graph_bs: Sequence[int] | None = None,
-    **kw: object,
+    heterogeneous: bool = True,
+    weighting: str = "request-step",
 ) -> float:
     """Expected goodput of a table over a batch-size occupancy.
 
@@ -174,16 +279,15 @@ def table_goodput(
     """
     g = _graphs(graph_bs)
     tokens = seconds = 0.0
-    skip = bool(kw.get("skip_zero_draft_extend", False))
-    t = kw.get("t")
-    het = bool(kw.get("heterogeneous", True))
     for b, w in _weights(batch_sizes).items():
         padded = pad_batch_size(b, g)
         k = _lookup(table, padded)
-        em = workload_emitted(workload, profile.acceptance, k, t=t, heterogeneous=het)  # type: ignore[arg-type]
+        em = workload_emitted(
+            workload, profile.acceptance, k, t=t, heterogeneous=heterogeneous, weighting=weighting
+        )
         tokens += w * b * em
-        seconds += w * profile.step_s(padded, k, skip_zero_draft_extend=skip)
-    return tokens / seconds if seconds > 0 else 0.0
+        seconds += w * profile.step_s(padded, k, skip_zero_draft_extend=skip_zero_draft_extend)
+    return tokens / seconds
 
 
 def oracle_goodput(
@@ -191,9 +295,21 @@ def oracle_goodput(
     workload: Workload | str,
     arms: Iterable[int],
     batch_sizes: Mapping[int, float] | Iterable[int],
-    **kw: object,
+    *,
+    t: float | None = None,
+    skip_zero_draft_extend: bool = False,
+    graph_bs: Sequence[int] | None = None,
+    heterogeneous: bool = True,
+    weighting: str = "request-step",
 ) -> float:
     """:func:`table_goodput` of the per-batch-size oracle over the same occupancy."""
     weights = _weights(batch_sizes)
-    table = oracle_table(profile, workload, arms, max_batch=max(weights), **kw)
-    return table_goodput(profile, workload, table, weights, **kw)
+    kw = dict(
+        t=t,
+        skip_zero_draft_extend=skip_zero_draft_extend,
+        graph_bs=graph_bs,
+        heterogeneous=heterogeneous,
+        weighting=weighting,
+    )
+    table = oracle_table(profile, workload, arms, max_batch=max(weights), **kw)  # type: ignore[arg-type]
+    return table_goodput(profile, workload, table, weights, **kw)  # type: ignore[arg-type]
