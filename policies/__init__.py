@@ -1,11 +1,14 @@
 """Decision algorithms: which arm each batch-size bucket should run. Pure code only.
 
-Build one by name with :func:`make_policy` (``POLICIES`` lists the names); every policy has
-``update(observation)``, ``propose()``, ``greedy()`` and ``snapshot()``.
+Build one by name with :func:`make_policy` (``POLICIES`` lists the names, ``DEFAULT_POLICY``
+is the one the bench chose); every policy has ``update(observation)``, ``propose()``,
+``greedy()`` and ``snapshot()``. Learning policies share one mechanism for discounting,
+switching cost, dwell, guardrail and exploration budget (:class:`LearnerParams`).
 """
 
 from __future__ import annotations
 
+from policies._acceptance import expected_accepted, expected_emitted
 from policies._base import (
     DEFAULT_BUCKET_EDGES,
     ArmEstimate,
@@ -17,14 +20,37 @@ from policies._base import (
 )
 from policies._guard import GuardVerdict, guard_check
 from policies._learning import LearnerParams, LearningPolicy
+from policies._model import ModelParams, ModelPolicy
+from policies._optuna import OptunaParams, OptunaPolicy
 from policies._registry import DEFAULT_POLICY, POLICIES, make_policy, policy_parameters
+from policies._static import (
+    DEFAULT_SGLANG_SLOTS,
+    SGLANG_DEFAULT_CUDA_GRAPH_BS,
+    AlwaysParams,
+    AlwaysPolicy,
+    NeverPolicy,
+    SGLangDefaultParams,
+    SGLangDefaultPolicy,
+    StaticPolicy,
+    TableParams,
+    TablePolicy,
+    ThresholdParams,
+    ThresholdPolicy,
+    sglang_settled_arm,
+    sglang_static_table,
+)
 from policies._stats import ArmStats, reward
 from policies._thompson import ThompsonParams, ThompsonPolicy
+from policies._ucb import UCBParams, UCBPolicy
 
 __all__ = [
     "DEFAULT_BUCKET_EDGES",
     "DEFAULT_POLICY",
+    "DEFAULT_SGLANG_SLOTS",
     "POLICIES",
+    "SGLANG_DEFAULT_CUDA_GRAPH_BS",
+    "AlwaysParams",
+    "AlwaysPolicy",
     "ArmEstimate",
     "ArmStats",
     "BasePolicy",
@@ -32,13 +58,31 @@ __all__ = [
     "GuardVerdict",
     "LearnerParams",
     "LearningPolicy",
+    "ModelParams",
+    "ModelPolicy",
+    "NeverPolicy",
     "Observation",
+    "OptunaParams",
+    "OptunaPolicy",
     "PolicySnapshot",
+    "SGLangDefaultParams",
+    "SGLangDefaultPolicy",
+    "StaticPolicy",
     "Table",
+    "TableParams",
+    "TablePolicy",
     "ThompsonParams",
     "ThompsonPolicy",
+    "ThresholdParams",
+    "ThresholdPolicy",
+    "UCBParams",
+    "UCBPolicy",
+    "expected_accepted",
+    "expected_emitted",
     "guard_check",
     "make_policy",
     "policy_parameters",
     "reward",
+    "sglang_settled_arm",
+    "sglang_static_table",
 ]

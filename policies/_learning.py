@@ -107,7 +107,7 @@ class LearnerParams:
     initial_arm: int | None = None
 
     def __post_init__(self) -> None:
-        for f in fields(self):
+        for f in fields(LearnerParams):  # subclasses check their own fields
             value = getattr(self, f.name)
             if f.name == "initial_arm":
                 _require(

@@ -11,12 +11,33 @@ from dataclasses import fields
 from typing import Any
 
 from policies._base import BasePolicy, Buckets
+from policies._model import ModelPolicy
+from policies._optuna import OptunaPolicy
+from policies._static import (
+    AlwaysPolicy,
+    NeverPolicy,
+    SGLangDefaultPolicy,
+    TablePolicy,
+    ThresholdPolicy,
+)
 from policies._thompson import ThompsonPolicy
+from policies._ucb import UCBPolicy
 
 __all__ = ["DEFAULT_POLICY", "POLICIES", "make_policy", "policy_parameters"]
 
 POLICIES: dict[str, Callable[..., BasePolicy]] = {
-    ThompsonPolicy.name: ThompsonPolicy,
+    cls.name: cls
+    for cls in (
+        NeverPolicy,
+        AlwaysPolicy,
+        ThresholdPolicy,
+        TablePolicy,
+        SGLangDefaultPolicy,
+        ThompsonPolicy,
+        UCBPolicy,
+        ModelPolicy,
+        OptunaPolicy,
+    )
 }
 
 # Chosen by the bench (README, "bench"): the policy closest to the oracle across profiles.

@@ -13,14 +13,21 @@ from policies import POLICIES, Buckets, Observation, make_policy
 ARMS = (0, 1, 3, 5)
 ONE_BUCKET = Buckets((1,))  # bucket 0 = b 1, bucket 1 = everything larger
 
-LEARNING = ["thompson"]
+LEARNING = ["thompson", "ucb", "model", "optuna"]
 
 
-def obs(k: int, goodput: float, *, b: int = 1, steps: int = 100, step_s: float = 0.01) -> Observation:
-    busy = steps * step_s
+# Mean emitted tokens per request-step by arm (chain acceptance, α ≈ 0.8): the helper
+# below derives accepted drafts from it, so acceptance and step time stay consistent.
+EMITTED = {0: 1.0, 1: 1.8, 3: 2.66, 5: 2.89, 7: 3.0}
+
+
+def obs(k: int, goodput: float, *, b: int = 1, steps: int = 100) -> Observation:
+    """``steps`` decode steps of ``b`` requests at arm ``k`` yielding ``goodput`` tokens/s."""
+    emitted = round(EMITTED[k] * b * steps)
     return Observation(
-        b=b, k=k, decode_steps=steps, emitted_tokens=max(steps, round(goodput * busy)),
-        accepted_drafts=0, drafted_tokens=k * b * steps, busy_s=busy,
+        b=b, k=k, decode_steps=steps, emitted_tokens=emitted,
+        accepted_drafts=emitted - b * steps, drafted_tokens=k * b * steps,
+        busy_s=emitted / goodput,
     )
 
 
@@ -53,8 +60,9 @@ def test_better_arm_wins_on_fixed_history(name):
     for _ in range(3):  # 300 steps per arm, no noise
         for k, g in TRUTH.items():
             assert p.update(obs(k, g))
-    assert p.greedy() == ((None, 3),)
-    assert p.snapshot().chosen == (3, 3)  # the empty bucket borrows its neighbour's arm
+    assert p.snapshot().chosen[0] == 3
+    if name != "model":  # the model predicts the empty bucket; the bandits borrow an arm
+        assert p.greedy() == ((None, 3),)
 
 
 @pytest.mark.parametrize("name", LEARNING)
@@ -106,12 +114,13 @@ def test_guardrail_reverts_a_held_bad_arm(name):
     # A huge switch margin makes the greedy choice stick to its first arm; only the
     # guardrail can take it off once the alternative is measurably better.
     p = make_policy(name, arms=(1, 3), buckets=ONE_BUCKET, seed=0, switch_margin=5.0)
+    p.update(obs(3, 60.0, steps=400))
+    assert p.snapshot().chosen[0] == 3
+    p.update(obs(3, 60.0, steps=400))
     p.update(obs(1, 100.0, steps=400))
-    assert p.greedy() == ((None, 1),)
-    p.update(obs(3, 150.0, steps=400))
-    assert p.greedy() == ((None, 3),)
+    assert p.snapshot().chosen[0] == 1
     notes = p.snapshot().notes
-    assert len(notes) == 1 and "reverted to k=3" in notes[0] and "bucket 1" in notes[0]
+    assert len(notes) == 1 and "reverted to k=1" in notes[0] and "bucket 1:" in notes[0]
 
 
 @pytest.mark.parametrize("name", LEARNING)

@@ -1,0 +1,334 @@
+"""Model-based policy: predict goodput from acceptance and step time, share across buckets.
+
+``goodput(b, k) = b · E[emitted | α̂, k] / T̂(b, k)`` (per request: ``E[emitted] / T̂``):
+
+- **Acceptance** is a property of the requests, not of the batch size, so one estimate serves
+  every bucket. Per arm ``k > 0`` the mean accepted drafts per request-step come straight
+  from the accepted/drafted counters (observable whenever ``k > 0``, no exploration needed);
+  a chain model (``P(A ≥ i) = α^i δ^(i(i−1)/2)``, α fitted to those means) fills in arms
+  never run, and shrinks the noisy ones.
+- **Step time** ``T(b, k)`` is fitted as ``θ·[1, b, k, b·k, [k=0], [k=0]·b]`` over every
+  bucket's measured mean step times (the anchors' cost model is exactly bilinear in ``b``
+  and ``k``), plus a residual field carried over from the nearest buckets where the arm ran
+  (measured tables bend where the bilinear form does not), made monotone in ``b``.
+- The model's prediction is a **prior** for each (bucket, arm); the bucket's own measured
+  goodput is the likelihood, so measurements win where they are plentiful and the model
+  decides where they are not. Exploration samples this posterior: an arm the model is sure
+  is bad is never tried, which is where this policy saves exploration.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from policies._acceptance import expected_accepted
+from policies._base import ArmEstimate, Observation
+from policies._learning import LearnerParams, LearningPolicy, _require
+from policies._stats import ArmStats
+
+__all__ = [
+    "DEFAULT_ACCEPTANCE_CORR",
+    "DEFAULT_ACCEPTANCE_MEMORY_STEPS",
+    "DEFAULT_CHAIN_DELTA",
+    "DEFAULT_TIME_MODEL_SD",
+    "ModelParams",
+    "ModelPolicy",
+]
+
+# Acceptance memory in request-steps at k > 0 (global): follows a workload shift within
+# a few seconds of traffic.
+DEFAULT_ACCEPTANCE_MEMORY_STEPS = 200_000.0
+# Request-steps per independent acceptance sample: a request keeps its α for its whole life.
+DEFAULT_ACCEPTANCE_CORR = 50.0
+# Per-position decay used to extrapolate acceptance to arms not yet run (anchors §3.3).
+DEFAULT_CHAIN_DELTA = 0.973
+# Relative error of the step-time model one bucket away from where the arm was measured.
+DEFAULT_TIME_MODEL_SD = 0.04
+DEFAULT_MODEL_SAMPLE_SCALE = 1.0
+_RIDGE = 1e-6
+_FAR_SD = 0.5  # prediction spread where the model has nothing to go on
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelParams(LearnerParams):
+    """:class:`LearnerParams` plus the model's own.
+
+    Attributes:
+        acceptance_memory_steps: memory of the acceptance estimate, in request-steps.
+        acceptance_corr: request-steps per independent acceptance sample (>= 1).
+        chain_delta: per-position decay δ of the chain model, in (0, 1].
+        time_model_sd: relative error of the step-time model next to measured buckets.
+        sample_scale: posterior draws are scaled by this.
+    """
+
+    acceptance_memory_steps: float = DEFAULT_ACCEPTANCE_MEMORY_STEPS
+    acceptance_corr: float = DEFAULT_ACCEPTANCE_CORR
+    chain_delta: float = DEFAULT_CHAIN_DELTA
+    time_model_sd: float = DEFAULT_TIME_MODEL_SD
+    sample_scale: float = DEFAULT_MODEL_SAMPLE_SCALE
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(self.acceptance_memory_steps >= 1, "acceptance_memory_steps", ">= 1 (or inf)",
+                 self.acceptance_memory_steps)
+        _require(1 <= self.acceptance_corr < math.inf, "acceptance_corr", ">= 1 and finite",
+                 self.acceptance_corr)
+        _require(0 < self.chain_delta <= 1, "chain_delta", "in (0, 1]", self.chain_delta)
+        _require(0 < self.time_model_sd < math.inf, "time_model_sd", "positive and finite",
+                 self.time_model_sd)
+        _require(0 < self.sample_scale < math.inf, "sample_scale", "positive and finite",
+                 self.sample_scale)
+
+
+class ModelPolicy(LearningPolicy):
+    """Model-based posterior sampling (name ``"model"``). See the module docstring."""
+
+    name = "model"
+    params_class = ModelParams
+    params: ModelParams
+
+    def __init__(self, **kw: object) -> None:
+        super().__init__(**kw)  # type: ignore[arg-type]
+        p = self.params
+        self._acc_gamma = (
+            1.0 if math.isinf(p.acceptance_memory_steps)
+            else 1.0 - 1.0 / p.acceptance_memory_steps
+        )
+        # per arm k > 0: discounted accepted drafts and request-steps
+        self._acc = {k: [0.0, 0.0] for k in self.arms if k > 0}
+        # per bucket, per arm: discounted log step time (ArmStats over log seconds)
+        self._time = [{k: ArmStats() for k in self.arms} for _ in range(len(self.buckets))]
+        self._occ = [[0.0, 0.0] for _ in range(len(self.buckets))]  # discounted steps, steps*b
+        self._pred: np.ndarray | None = None  # [bucket, arm] -> (mean, sd) of log goodput/req
+        self._post: np.ndarray | None = None
+
+    # --- learning -------------------------------------------------------------------------
+
+    def _observed(self, j: int, obs: Observation, r: float, weight: float) -> None:
+        s = int(obs.decode_steps)
+        factor = self._gamma**s
+        for t in self._time[j].values():
+            t.decay(factor)
+        self._time[j][obs.k].add(math.log(obs.busy_s / s), weight, weight / s, obs.b, s)
+        occ = self._occ[j]
+        occ[0] = occ[0] * factor + s
+        occ[1] = occ[1] * factor + s * obs.b
+        if obs.k > 0:
+            req_steps = s * obs.b
+            f = self._acc_gamma**req_steps
+            for acc in self._acc.values():
+                acc[0] *= f
+                acc[1] *= f
+            self._acc[obs.k][0] += obs.accepted_drafts
+            self._acc[obs.k][1] += req_steps
+        self._pred = self._post = None
+
+    def _learn(self, j: int, obs: Observation, r: float) -> None:
+        super()._learn(j, obs, r)
+        # Acceptance and step time are shared: every bucket's greedy arm may have moved.
+        for i in range(len(self.buckets)):
+            if i != j:
+                self._refresh_greedy(i)
+
+    # --- the model ------------------------------------------------------------------------
+
+    def _rep_b(self, j: int) -> float:
+        steps, sb = self._occ[j]
+        if steps > 0:
+            return sb / steps
+        low, high = self.buckets.bounds(j)
+        return (low + high) / 2 if high is not None else low * 1.25
+
+    def _acceptance(self) -> tuple[dict[int, float], dict[int, float]]:
+        """Mean accepted drafts per request-step, and its standard deviation, per arm."""
+        p = self.params
+        direct: dict[int, tuple[float, float]] = {}
+        for k, (acc, rs) in self._acc.items():
+            if rs > 0:
+                m = min(max(acc / rs, 0.0), float(k))
+                sd = (k / 2) * math.sqrt(p.acceptance_corr / rs)
+                direct[k] = (m, sd)
+        alpha, alpha_sd = self._fit_alpha(direct)
+        mean, sd = {0: 0.0}, {0: 0.0}
+        for k in self.arms:
+            if k == 0:
+                continue
+            m_model = expected_accepted(alpha, p.chain_delta, k)
+            # Spread of the chain prediction: α's uncertainty, plus the model's own misfit.
+            hi = expected_accepted(min(alpha + alpha_sd, 1.0), p.chain_delta, k)
+            sd_model = max(hi - m_model, 0.0) + 0.05 * m_model + 1e-6
+            if k in direct:
+                m_d, sd_d = direct[k]
+                w_d, w_m = 1 / (sd_d * sd_d + 1e-12), 1 / (sd_model * sd_model)
+                mean[k] = (m_d * w_d + m_model * w_m) / (w_d + w_m)
+                sd[k] = math.sqrt(1 / (w_d + w_m))
+            else:
+                mean[k], sd[k] = m_model, sd_model
+        return mean, sd
+
+    def _fit_alpha(self, direct: dict[int, tuple[float, float]]) -> tuple[float, float]:
+        """Least-squares α of the chain model to the measured means (golden section)."""
+        if not direct:
+            return 0.7, 0.3  # nothing seen yet: a wide prior around typical EAGLE-3 chat
+        delta = self.params.chain_delta
+
+        def loss(a: float) -> float:
+            return sum(((m - expected_accepted(a, delta, k)) / sd) ** 2
+                       for k, (m, sd) in direct.items())
+
+        lo, hi = 0.0, 1.0
+        g = (math.sqrt(5) - 1) / 2
+        x1, x2 = hi - g * (hi - lo), lo + g * (hi - lo)
+        f1, f2 = loss(x1), loss(x2)
+        for _ in range(30):
+            if f1 < f2:
+                hi, x2, f2 = x2, x1, f1
+                x1 = hi - g * (hi - lo)
+                f1 = loss(x1)
+            else:
+                lo, x1, f1 = x1, x2, f2
+                x2 = lo + g * (hi - lo)
+                f2 = loss(x2)
+        alpha = (lo + hi) / 2
+        # Curvature of the loss gives α's standard error.
+        h = 1e-3
+        a0, a1, a2 = max(alpha - h, 0.0), alpha, min(alpha + h, 1.0)
+        curv = (loss(a2) - 2 * loss(a1) + loss(a0)) / (h * h)
+        sd = math.sqrt(2 / curv) if curv > 0 else 0.3
+        return alpha, min(sd, 0.3)
+
+    def _features(self, b: float, k: int) -> list[float]:
+        z = 1.0 if k == 0 else 0.0
+        bs = b / 64.0
+        return [1.0, bs, k / 4.0, bs * k / 4.0, z, z * bs]
+
+    def _time_model(self) -> np.ndarray:
+        """Log step time per (bucket, arm), with its spread: array [bucket, arm, 2]."""
+        p = self.params
+        rows, ys, ws = [], [], []
+        for j, per_arm in enumerate(self._time):
+            for k, t in per_arm.items():
+                if t.seen:
+                    rows.append(self._features(t.mean_b, k))
+                    ys.append(math.exp(t.mean))
+                    ws.append(min(t.w, 1000.0) / math.exp(2 * t.mean))
+        nb, na = len(self.buckets), len(self.arms)
+        out = np.zeros((nb, na, 2))
+        rep = [self._rep_b(j) for j in range(nb)]
+        if not rows:
+            out[:, :, 0] = math.log(0.01)
+            out[:, :, 1] = _FAR_SD * 4
+            return out
+        x, y, w = np.array(rows), np.array(ys), np.array(ws)
+        sw = np.sqrt(w)
+        a = x * sw[:, None]
+        theta = np.linalg.solve(a.T @ a + _RIDGE * np.trace(a.T @ a) * np.eye(x.shape[1]),
+                                a.T @ (y * sw))
+        t_lo, t_hi = float(y.min()) * 0.3, float(y.max()) * 10.0
+        for ai, k in enumerate(self.arms):
+            observed = [j for j in range(nb) if self._time[j][k].seen]
+            resid = {
+                j: self._time[j][k].mean
+                - math.log(min(max(float(np.dot(theta, self._features(
+                    self._time[j][k].mean_b, k))), t_lo), t_hi))
+                for j in observed
+            }
+            prev = -math.inf
+            for j in range(nb):
+                base = math.log(min(max(float(np.dot(theta, self._features(rep[j], k))), t_lo),
+                                    t_hi))
+                # Residual of the nearest *other* bucket that ran this arm: the bucket's own
+                # measurements enter as the likelihood, not twice.
+                others = [i for i in observed if i != j]
+                if others:
+                    d = min(abs(i - j) for i in others)
+                    near = [resid[i] for i in others if abs(i - j) == d]
+                    base += (sum(near) / len(near)) * (0.5 ** (d - 1))
+                    sd = p.time_model_sd * math.sqrt(d)
+                else:
+                    sd = _FAR_SD
+                # Monotone in b: a bigger batch never runs a step faster.
+                base = max(base, prev)
+                prev = base
+                out[j, ai] = (base, sd)
+        return out
+
+    def _predictions(self) -> np.ndarray:
+        """Prior (model) log goodput per request, [bucket, arm, (mean, sd)]."""
+        if self._pred is None:
+            mean, sd = self._acceptance()
+            t = self._time_model()
+            pred = np.zeros_like(t)
+            for ai, k in enumerate(self.arms):
+                em = 1.0 + mean[k]
+                sd_em = sd[k] / em
+                pred[:, ai, 0] = math.log(em) - t[:, ai, 0]
+                pred[:, ai, 1] = np.sqrt(sd_em * sd_em + t[:, ai, 1] ** 2)
+            self._pred = pred
+        return self._pred
+
+    def _posterior(self) -> np.ndarray:
+        """Model prior combined with each bucket's own measurements, [bucket, arm, 2]."""
+        if self._post is None:
+            p = self.params
+            post = self._predictions().copy()
+            for j, st in enumerate(self._state):
+                for ai, k in enumerate(self.arms):
+                    a = st.stats[k]
+                    if not a.seen:
+                        continue
+                    m0, s0 = post[j, ai]
+                    m1, s1 = a.mean, a.mean_sd(p.step_sd, p.prior_obs)
+                    w0, w1 = 1 / (s0 * s0), 1 / (s1 * s1)
+                    post[j, ai] = ((m0 * w0 + m1 * w1) / (w0 + w1), math.sqrt(1 / (w0 + w1)))
+            self._post = post
+        return self._post
+
+    # --- deciding -------------------------------------------------------------------------
+
+    def _greedy_choice(self, j: int) -> int | None:
+        st = self._state[j]
+        if not any(other.steps for other in self._state):
+            return None
+        post = self._posterior()[j]
+        order = sorted(range(len(self.arms)), key=lambda ai: (-post[ai, 0], self.arms[ai]))
+        best = self.arms[order[0]]
+        cur = st.greedy
+        if cur is not None:
+            ci = self.arms.index(cur)
+            if post[order[0], 0] <= post[ci, 0] + self.params.switch_margin:
+                return cur
+        return best
+
+    def greedy_arms(self) -> tuple[int, ...]:
+        # The model predicts every bucket, so none needs to borrow a neighbour's arm.
+        if not any(st.steps for st in self._state):
+            return super().greedy_arms()
+        return tuple(st.greedy if st.greedy is not None else self._fallback_arm()
+                     for st in self._state)
+
+    def _explore(self, j: int, greedy: int) -> int:
+        post = self._posterior()[j]
+        scale, gauss = self.params.sample_scale, self._rng.gauss
+        best_arm, best_draw = greedy, -math.inf
+        for ai, arm in enumerate(self.arms):
+            draw = post[ai, 0] + scale * post[ai, 1] * gauss(0, 1)
+            if draw > best_draw:
+                best_arm, best_draw = arm, draw
+        return best_arm
+
+    def _estimates(self) -> tuple[ArmEstimate, ...]:
+        if not any(st.steps for st in self._state):
+            return ()
+        post = self._posterior()
+        out = []
+        for j, st in enumerate(self._state):
+            b = self._rep_b(j)
+            for ai, k in enumerate(self.arms):
+                g = b * math.exp(post[j, ai, 0])
+                out.append(ArmEstimate(bucket=j, arm=k, estimate=g, std=g * post[j, ai, 1],
+                                       n=round(st.stats[k].w)))
+        return tuple(out)
