@@ -40,8 +40,8 @@ def test_metrics_endpoint_parses_and_reports_state() -> None:
     m.record_rejected_update("a:1")
     m.record_observations("a:1", 12)
     m.set_up("a:1", True)
-    m.set_up("a:1", False)  # an outage
-    m.set_up("a:1", False)  # still down: not a second one
+    m.set_up("a:1", False)
+    m.record_outage("a:1")
     m.set_plugin_loaded("b:2", False)
     m.record_observations("b:2", 3)
     with m.serve(port=0) as server:

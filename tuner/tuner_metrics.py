@@ -88,12 +88,9 @@ class TunerMetrics:
             self._state(server).version = int(version)
 
     def set_up(self, server: str, up: bool) -> None:
-        """Reachability; a change from up to down counts one outage."""
+        """Reachability as of the last reading (outages are counted by record_outage)."""
         with self._lock:
-            state = self._state(server)
-            if state.up and not up:
-                state.counts["outages"] += 1
-            state.up = bool(up)
+            self._state(server).up = bool(up)
 
     def set_plugin_loaded(self, server: str, loaded: bool) -> None:
         with self._lock:
@@ -108,7 +105,7 @@ class TunerMetrics:
         self._count(server, "rejected_updates", 1)
 
     def record_outage(self, server: str) -> None:
-        """Count an outage explicitly (when reachability is not tracked with set_up)."""
+        """Count one outage (the daemon calls it once per outage, not per failed read)."""
         self._count(server, "outages", 1)
 
     def record_restart(self, server: str) -> None:
