@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -11,6 +13,9 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from policies import Buckets
+from storage import Storage
+from tuner.config import TunerConfig
+from tuner.daemon import Daemon
 from tuner.errors import MalformedReplyError
 from tuner.metrics_only import (
     LOADS_PATH,
@@ -67,10 +72,24 @@ class FakeStockSGLang:
 @pytest.fixture
 def fake() -> Iterator[tuple[FakeStockSGLang, str]]:
     state = FakeStockSGLang()
+    state.posts = []  # type: ignore[attr-defined]
 
     class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            state.posts.append(self.path)  # type: ignore[attr-defined]
+            self.send_error(404)
+
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-            if self.path == METRICS_PATH:
+            if self.path == "/server_info":
+                # Stock SGLang: internal_states without a "dynspec" section.
+                body = json.dumps({"internal_states": [{"last_gen_throughput": 1.0}],
+                                   "version": "0.5.23"}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            elif self.path == METRICS_PATH:
                 body = state.text().encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "text/plain; version=0.0.4")
@@ -233,3 +252,46 @@ def test_notice_says_what_is_missing_and_how_to_enable() -> None:
     text = metrics_only_notice("gpu7:30000")
     assert "gpu7:30000" in text and "cannot be pushed" not in text
     assert "no table can be pushed" in text and "pip install dynspec-tuner" in text
+
+
+def test_daemon_learns_from_metrics_only_never_pushes_says_so_once(
+    fake: tuple[FakeStockSGLang, str], tmp_path, caplog
+) -> None:
+    """The daemon against a stock server: /server_info without "dynspec", /metrics only."""
+    from tuner.report import build_report
+
+    state, base = fake
+    address = base.removeprefix("http://")
+    now = [1_000.0]
+    storage = Storage(f"sqlite:///{tmp_path / 'h.db'}")
+    daemon = Daemon(
+        TunerConfig(servers=(address,), interval_s=1.0, decision_period_s=2.0,
+                    policy="thompson", buckets=(4, 16, 64)),
+        storage=storage, clock=lambda: now[0],
+    )
+    state.set_state(bs=12, k=3, accept_length=2.4)
+    with caplog.at_level(logging.WARNING):
+        for i in range(12):
+            if i == 6:  # the load changes: batch size 40, the server now drafts 1 step
+                state.set_state(bs=40, k=1, accept_length=1.7)
+            state.decode(steps=100, bs=12 if i < 6 else 40, accept_length=2.4 if i < 6 else 1.7)
+            now[0] += 1.0
+            daemon.run_once()
+    daemon.shutdown()
+    status = daemon.status().servers[0]
+    assert status.mode == "metrics-only"
+    assert state.posts == []  # never pushes
+    notices = [r for r in caplog.records if "no \"dynspec\" section" in r.getMessage()]
+    assert len(notices) == 1 and "pip install dynspec-tuner" in notices[0].getMessage()
+    rows = storage.observations(server=address)
+    assert {(r.b, r.k) for r in rows} == {(12, 3), (40, 1)}
+    assert all(r.decode_steps == 100 and r.busy_s == pytest.approx(1.0) for r in rows)
+    assert [e.kind for e in storage.events(server=address)] == ["plugin_missing"]
+    # What it learned reports like anything else.
+    report = build_report(storage, buckets=Buckets((4, 16, 64)), now=now[0])
+    (s,) = report.servers
+    assert s.chosen_from == "data" and s.table is None
+    got = {(bk.label, a.arm): a.goodput for bk in s.buckets for a in bk.arms}
+    assert got[("5-16", 3)] == pytest.approx(100 * 12 * 2.4)
+    assert got[("17-64", 1)] == pytest.approx(100 * 40 * 1.7)
+    storage.close()
