@@ -272,22 +272,24 @@ def table_goodput(
 ) -> float:
     """Expected goodput of a table over a batch-size occupancy.
 
-    ``batch_sizes`` maps batch size to decode steps spent there (e.g. summed from counters),
-    or lists batch sizes weighted equally. The result is total expected emitted tokens over
-    total expected busy time — the aggregate a server running this table would show. The
-    table is looked up with the padded batch size, as the engine and SGLang do.
+    ``batch_sizes`` maps batch size to the share of busy time spent there (e.g. ``busy_s``
+    summed from counters per ``b``), or lists batch sizes weighted equally. The result is the
+    time-weighted mean of the per-batch-size expected goodputs — what a server that spends
+    those shares of its time at those batch sizes would show — so the oracle's table is never
+    beaten by another table over the same occupancy. The table is looked up with the padded
+    batch size, as the engine and SGLang do.
     """
     g = _graphs(graph_bs)
-    tokens = seconds = 0.0
+    total = weight = 0.0
     for b, w in _weights(batch_sizes).items():
         padded = pad_batch_size(b, g)
         k = _lookup(table, padded)
         em = workload_emitted(
             workload, profile.acceptance, k, t=t, heterogeneous=heterogeneous, weighting=weighting
         )
-        tokens += w * b * em
-        seconds += w * profile.step_s(padded, k, skip_zero_draft_extend=skip_zero_draft_extend)
-    return tokens / seconds
+        total += w * b * em / profile.step_s(padded, k, skip_zero_draft_extend=skip_zero_draft_extend)
+        weight += w
+    return total / weight
 
 
 def oracle_goodput(

@@ -477,7 +477,9 @@ def _parametric(obj: Mapping[str, Any], *, source: str, default_name: str) -> Pa
     return ParametricProfile(source=source, **kw)
 
 
-def _num(row: Mapping[str, Any], key: str, where: str, *, integer: bool = False) -> Any:
+def _num(
+    row: Mapping[str, Any], key: str, where: str, *, integer: bool = False, zero_ok: bool = False
+) -> Any:
     if key not in row:
         raise ConfigError(f"{where}: missing field {key!r}")
     v = row[key]
@@ -487,8 +489,8 @@ def _num(row: Mapping[str, Any], key: str, where: str, *, integer: bool = False)
         if not float(v).is_integer() or v < 1:
             raise ConfigError(f"{where}: field {key!r} must be an integer >= 1, got {v!r}")
         return int(v)
-    if v <= 0:
-        raise ConfigError(f"{where}: field {key!r} must be > 0, got {v!r}")
+    if v < 0 or (v == 0 and not zero_ok):
+        raise ConfigError(f"{where}: field {key!r} must be {'>=' if zero_ok else '>'} 0, got {v!r}")
     return float(v)
 
 
@@ -514,7 +516,7 @@ def _table(text: str, *, source: str, default_name: str, extrapolate: str) -> Ta
                     _num(row, "b", where, integer=True),
                     _num(row, "q", where, integer=True),
                     _num(row, "target_ms", where),
-                    _num(row, "draft_ms", where),
+                    _num(row, "draft_ms", where, zero_ok=True),
                 )
             )
         elif kind is None:

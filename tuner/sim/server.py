@@ -220,7 +220,9 @@ class SimServer:
         self._stop.clear()
         self._anchor_real = self._clock()
         self._anchor_virtual = self.engine.now
-        t_http = threading.Thread(target=self._httpd.serve_forever, name="sim-http", daemon=True)
+        t_http = threading.Thread(
+            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, name="sim-http", daemon=True
+        )
         t_drive = threading.Thread(target=self._drive, name="sim-engine", daemon=True)
         self._threads = [t_http, t_drive]
         for t in self._threads:
