@@ -281,3 +281,14 @@ def test_always_arm() -> None:
     assert always_arm((0, 1)) == 1
     assert always_arm((0, 4)) == 4
     assert always_arm((0,)) is None
+
+
+def test_open_history_refuses_a_missing_file_without_creating_it(tmp_path: Path) -> None:
+    from tuner.report import open_history
+
+    missing = tmp_path / "nope.db"
+    with pytest.raises(ConfigError, match="no such file"):
+        open_history(f"sqlite:///{missing}")
+    assert not missing.exists()
+    with pytest.raises(ConfigError, match="not a database URL"):
+        open_history("::::")

@@ -61,6 +61,7 @@ __all__ = [
     "always_arm",
     "build_report",
     "make_plots",
+    "open_history",
     "parse_since",
     "render_html",
     "render_json",
@@ -230,6 +231,31 @@ def parse_since(text: str, *, now: float) -> float:
     if dt.tzinfo is None:
         dt = dt.replace(tzinfo=timezone.utc)
     return dt.timestamp()
+
+
+def open_history(url: str) -> Storage:
+    """Open a history database for reading (report, export) without creating one.
+
+    Raises:
+        ConfigError: an SQLite file that does not exist (named, with a hint).
+        StorageError: the database cannot be opened or holds no dynspec history.
+    """
+    from sqlalchemy.engine import make_url
+
+    from storage import Storage, redact_url
+
+    try:
+        parsed = make_url(url)
+    except Exception as exc:
+        raise ConfigError(f"--db {redact_url(url)}: not a database URL ({exc})") from None
+    if parsed.get_backend_name() == "sqlite":
+        db = parsed.database
+        if db and db != ":memory:" and not db.startswith("file:") and not Path(db).exists():
+            raise ConfigError(
+                f"--db {url}: no such file {db} (the daemon writes sqlite:///dynspec.db, "
+                "run --simulate sqlite:///dynspec-sim.db; DYNSPEC_DB sets the default)"
+            )
+    return Storage(url, read_only=True)
 
 
 def always_arm(arms: Sequence[int]) -> int | None:

@@ -1,0 +1,353 @@
+"""Export the learned table: SGLang's own adaptive config, or our versioned policy file.
+
+Where the table comes from (``source``):
+
+- ``policy``: the last table recorded for the server in the history (the last one the server
+  *applied*; with only dry runs recorded, the last dry-run decision);
+- ``data``: re-derived now, greedily per bucket, from the stored observations in the window
+  (the arm with the highest estimated goodput, as ``dynspec-tuner report`` shows it; a bucket
+  without data takes the arm of the nearest bucket that has data, the lower one on a tie);
+- ``auto`` (default): ``policy`` when a table was recorded, else ``data`` (a server watched in
+  metrics-only mode never had a table pushed).
+
+``sglang-adaptive`` writes the JSON that SGLang 0.5.23 reads with ``--speculative-adaptive
+--speculative-adaptive-config FILE``: one batch-size slot per table row, keyed by the row's
+lower bound (``str(previous max + 1)``, the first ``"1"``), each with a single candidate step,
+``{"candidate_steps": [k]}``. With one candidate a slot's EMA has nothing to move to, so stock
+SGLang follows the table exactly. Two facts of SGLang shape what the file means:
+
+- SGLang pre-builds one runtime state (CUDA graphs, memory) per step in the **union** of all
+  slots' candidate steps and sizes its buffers for the largest; those arms, and only those,
+  must be built (listed in the file under ``"_dynspec"``, whose keys SGLang ignores), and a
+  ``--speculative-num-steps`` given on the command line must be one of them.
+- Slots are chosen **after CUDA-graph padding**: a batch of ``b`` runs in the next captured
+  size, and that size picks the slot. The mapping is exact when every row's upper bound is a
+  captured batch size (the tuner's default bucket edges all are); otherwise :func:`export`
+  reports which batch sizes would land in the next slot.
+
+``dynspec`` writes our own policy file through :mod:`tuner.policyfile` (protocol v1 table plus
+provenance), which the plugin loads at server start.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from policies import Buckets
+from tuner.errors import ConfigError
+from tuner.protocol import ProtocolError, Table, format_table, validate_table
+from tuner.report import BucketReport, ServerReport, build_report
+from tuner.sim.graphs import cuda_graph_bs, pad_batch_size
+
+if TYPE_CHECKING:
+    from storage import Storage
+
+__all__ = [
+    "EXPORT_FORMATS",
+    "SGLANG_ADAPTIVE_FORMAT",
+    "SOURCES",
+    "ExportResult",
+    "LearnedTable",
+    "export",
+    "learned_table",
+    "load_sglang_adaptive",
+    "padding_crossings",
+    "sglang_adaptive_config",
+    "table_from_buckets",
+]
+
+EXPORT_FORMATS = ("sglang-adaptive", "dynspec")
+SOURCES = ("auto", "policy", "data")
+# Marks our files; SGLang ignores non-digit top-level keys except as slot defaults, and a
+# slot reads only the fields it knows.
+SGLANG_ADAPTIVE_FORMAT = "dynspec-sglang-adaptive/1"
+_META_KEY = "_dynspec"
+
+
+@dataclass(frozen=True)
+class LearnedTable:
+    """A table to export, and where it came from."""
+
+    server: str
+    arms: tuple[int, ...]  # the arms the server had built
+    table: Table
+    source: str  # "policy" or "data"
+    version: int | None  # the recorded version (policy source)
+    policy: str  # the policy that chose it ("greedy-by-data" for the data source)
+    decided_at: float | None  # when it was recorded (policy source)
+    report: ServerReport  # estimates behind it, and the data window
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    path: Path
+    learned: LearnedTable
+    warnings: tuple[str, ...]
+
+
+# --- where the table comes from -----------------------------------------------------------------
+
+
+def table_from_buckets(buckets: Sequence[BucketReport], edges: Buckets) -> Table:
+    """Best arm per bucket -> a canonical table; a bucket without data takes the arm of the
+    nearest bucket with data (the lower one on a tie).
+
+    Raises:
+        ConfigError: no bucket has data.
+    """
+    best = [bk.best for bk in buckets]
+    known = [i for i, k in enumerate(best) if k is not None]
+    if not known:
+        raise ConfigError("no observations to derive a table from")
+    filled: list[int] = []
+    for i, k in enumerate(best):
+        if k is None:
+            k = best[min(known, key=lambda j: (abs(j - i), j))]
+        filled.append(int(k))  # type: ignore[arg-type]
+    return validate_table(edges.table(filled))
+
+
+def learned_table(
+    storage: Storage,
+    *,
+    server: str | None = None,
+    source: str = "auto",
+    since: float | None = None,
+    buckets: Buckets | None = None,
+    now: float | None = None,
+) -> LearnedTable:
+    """Find the table to export for one server (see the module docstring for ``source``).
+
+    Args:
+        server: the server's address; may be omitted when the history holds only one.
+
+    Raises:
+        ConfigError: unknown source, ambiguous or unknown server, nothing to export.
+        StorageError: the database cannot be read.
+    """
+    if source not in SOURCES:
+        raise ConfigError(f"--source {source!r}: expected one of {', '.join(SOURCES)}")
+    if server is None:
+        names = [r.address for r in storage.servers()]
+        if len(names) != 1:
+            listing = ", ".join(names) if names else "none"
+            raise ConfigError(
+                f"{storage.url} holds {len(names)} servers ({listing}): name one with --server"
+            )
+        server = names[0]
+    buckets = buckets or Buckets()
+    report = build_report(storage, server=server, since=since, buckets=buckets, now=now)
+    (srv,) = report.servers
+    if source in ("auto", "policy") and srv.table is not None:
+        try:
+            table = validate_table(srv.table.table, srv.arms or None)
+        except ProtocolError as exc:
+            raise ConfigError(
+                f"{server}: recorded table v{srv.table.version} is not valid: {exc}"
+            ) from exc
+        return LearnedTable(
+            server=server, arms=srv.arms, table=table, source="policy",
+            version=srv.table.version, policy=srv.table.policy, decided_at=srv.table.ts,
+            report=srv,
+        )
+    if source == "policy":
+        raise ConfigError(
+            f"{server}: no table recorded in {storage.url} (use --source data to derive one "
+            "from the observations)"
+        )
+    try:
+        table = table_from_buckets(srv.buckets, buckets)
+    except ConfigError as exc:
+        raise ConfigError(f"{server}: {exc} in {storage.url}") from None
+    return LearnedTable(
+        server=server, arms=srv.arms, table=table, source="data", version=None,
+        policy="greedy-by-data", decided_at=None, report=srv,
+    )
+
+
+# --- sglang-adaptive ----------------------------------------------------------------------------
+
+
+def padding_crossings(table: Table, graph_bs: Sequence[int] | None = None) -> list[str]:
+    """Batch sizes whose CUDA-graph padding carries them into the next row's slot."""
+    graph_bs = tuple(graph_bs) if graph_bs is not None else cuda_graph_bs()
+    out = []
+    for i, (bound, k) in enumerate(table[:-1]):
+        padded = pad_batch_size(bound, graph_bs)
+        if padded != bound:
+            low = max([g for g in graph_bs if g < bound], default=0) + 1
+            nxt = table[i + 1][1]
+            if nxt != k:
+                out.append(
+                    f"row b<={bound}:k{k}: batch sizes {low}..{bound} pad to CUDA-graph size "
+                    f"{padded} and run k{nxt} under SGLang's adaptive config (make {bound} a "
+                    "captured size, or choose bucket edges that are)"
+                )
+    return out
+
+
+def sglang_adaptive_config(
+    table: Table, *, meta: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The ``--speculative-adaptive-config`` JSON for a table (see the module docstring)."""
+    table = validate_table(table)
+    merged: list[tuple[int | None, int]] = []
+    for bound, k in table:
+        if merged and merged[-1][1] == k:
+            merged[-1] = (bound, k)
+        else:
+            merged.append((bound, k))
+    cfg: dict[str, Any] = {}
+    low = 1
+    for bound, k in merged:
+        cfg[str(low)] = {"candidate_steps": [k]}
+        if bound is not None:
+            low = bound + 1
+    union = sorted({k for _, k in merged})
+    doc = {
+        "format": SGLANG_ADAPTIVE_FORMAT,
+        "table": [[b, k] for b, k in merged],
+        "prebuilt_arms": union,
+        "note": (
+            "Start SGLang with --speculative-adaptive --speculative-adaptive-config <this file>. "
+            f"It pre-builds one runtime state per step in {union} (the union of candidate_steps)"
+            "; --speculative-num-steps, if given, must be one of them. Each slot key is the "
+            "lower batch-size bound of a table row, applied after CUDA-graph padding; one "
+            "candidate step per slot, so SGLang's EMA cannot override the decision."
+        ),
+    }
+    if meta:
+        doc.update(meta)
+    cfg[_META_KEY] = doc
+    return cfg
+
+
+def load_sglang_adaptive(path: Path) -> tuple[Table, dict[str, Any]]:
+    """Read an SGLang adaptive config back as a table (one candidate per slot), with our meta.
+
+    Raises:
+        ConfigError: naming the file and what is wrong (not JSON, not an object, a slot with
+            several candidates, keys that are not batch sizes ...).
+    """
+    try:
+        raw = json.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"{path}: not a JSON file: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object of batch-size slots, got "
+                          f"{type(raw).__name__}")
+    slots: list[tuple[int, int]] = []
+    for key, entry in raw.items():
+        if not key.isdigit():
+            continue
+        steps = entry.get("candidate_steps") if isinstance(entry, dict) else None
+        if not isinstance(steps, list) or len(steps) != 1 or not isinstance(steps[0], int) \
+                or isinstance(steps[0], bool) or steps[0] < 0:
+            raise ConfigError(
+                f"{path}: slot {key!r} must have exactly one candidate step (an int >= 0) to "
+                f"be a fixed table, got {steps!r}"
+            )
+        slots.append((int(key), steps[0]))
+    if not slots:
+        raise ConfigError(f"{path}: no batch-size slots (keys like \"1\") in this file")
+    slots.sort()
+    if slots[0][0] > 1:
+        raise ConfigError(f"{path}: the lowest slot is {slots[0][0]}; SGLang would route "
+                          "smaller batches to it too, a table needs a slot \"1\"")
+    if slots[0][0] < 1:
+        raise ConfigError(f"{path}: slot \"0\" is not a batch size")
+    rows = [(slots[i + 1][0] - 1, k) for i, (_, k) in enumerate(slots[:-1])]
+    rows.append((None, slots[-1][1]))
+    try:
+        table = validate_table(rows)
+    except ProtocolError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+    meta = raw.get(_META_KEY)
+    return table, meta if isinstance(meta, dict) else {}
+
+
+# --- the command --------------------------------------------------------------------------------
+
+
+def export(
+    storage: Storage,
+    *,
+    fmt: str,
+    out: Path,
+    server: str | None = None,
+    source: str = "auto",
+    since: float | None = None,
+    buckets: Buckets | None = None,
+    now: float | None = None,
+) -> ExportResult:
+    """Write the learned table of one server to ``out`` in ``fmt``.
+
+    The file is written to a temporary name and renamed, so a reader never sees half a file
+    and a failed export leaves any previous file untouched.
+
+    Raises:
+        ConfigError: bad format/source/server, nothing to export, ``out`` not writable.
+        StorageError: the database cannot be read.
+    """
+    if fmt not in EXPORT_FORMATS:
+        raise ConfigError(f"--format {fmt!r}: expected one of {', '.join(EXPORT_FORMATS)}")
+    now = time.time() if now is None else now
+    learned = learned_table(storage, server=server, source=source, since=since,
+                            buckets=buckets, now=now)
+    warnings: list[str] = []
+    if fmt == "sglang-adaptive":
+        union = sorted({k for _, k in learned.table})
+        if union == [0]:
+            warnings.append(
+                "the table never drafts (k=0 everywhere): running SGLang without speculative "
+                "decoding is cheaper than an adaptive config that only holds k=0"
+            )
+        warnings.extend(padding_crossings(learned.table))
+        body = json.dumps(sglang_adaptive_config(learned.table, meta=_meta(learned, now)),
+                          indent=2) + "\n"
+        _atomic_write(out, body.encode())
+    else:
+        from tuner import policyfile  # the plugin's format: one implementation, theirs
+
+        policyfile.save(out, _policy_file(learned, now))
+    return ExportResult(path=out, learned=learned, warnings=tuple(warnings))
+
+
+def _meta(learned: LearnedTable, now: float) -> dict[str, Any]:
+    span = learned.report.data_span
+    return {
+        "server": learned.server,
+        "server_arms": list(learned.arms),
+        "source": learned.source,
+        "policy": learned.policy,
+        "policy_version": learned.version,
+        "exported_at": round(now, 3),
+        "data_window": None if span is None else [round(span[0], 3), round(span[1], 3)],
+        "table_text": format_table(learned.table),
+    }
+
+
+def _policy_file(learned: LearnedTable, now: float) -> Any:
+    raise NotImplementedError("waiting for tuner.policyfile")
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot write: {exc.strerror or exc}") from exc
+
+
+def _finite(x: float | None) -> float | None:
+    return None if x is None or not math.isfinite(x) else x
