@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from policies import DEFAULT_POLICY as _POLICIES_DEFAULT
 from tuner.errors import ConfigError
 
 __all__ = [
@@ -24,8 +25,10 @@ __all__ = [
     "DEFAULT_INTERVAL_S",
     "DEFAULT_POLICY",
     "DEFAULT_SERVER",
+    "DEFAULT_SIM_DB_URL",
     "DEFAULT_SIM_DURATION_S",
     "DEFAULT_SIM_LOAD",
+    "DEFAULT_SIM_MAX_RUNNING",
     "DEFAULT_SIM_PROFILE",
     "DEFAULT_SIM_SPEED",
     "DEFAULT_SIM_WORKLOAD",
@@ -42,9 +45,8 @@ ENV_PREFIX = "DYNSPEC_"
 # SGLang's default port.
 DEFAULT_SERVER = "localhost:30000"
 DEFAULT_DB_URL = "sqlite:///dynspec.db"
-# The policy `run` learns with when none is named (the policies package may name a better
-# default; the CLI prefers ``policies.DEFAULT_POLICY`` when it exists).
-DEFAULT_POLICY = "thompson"
+# The policy `run` learns with when none is named: whichever won the bench (policies says).
+DEFAULT_POLICY = _POLICIES_DEFAULT
 # One reading of every server per second: counters are cumulative, so a slower interval
 # loses nothing but reaction time, and /server_info is cheap for SGLang to answer.
 DEFAULT_INTERVAL_S = 1.0
@@ -56,13 +58,18 @@ DEFAULT_TIMEOUT_S = 5.0
 # Retry an unreachable server with doubling waits, capped here.
 DEFAULT_BACKOFF_MAX_S = 30.0
 
-# `run --simulate`: the built-in simulator with a concurrency sweep 1 -> 256 (one phase per
-# doubling), accelerated so the default run takes about a minute of wall time.
+# `run --simulate`: the built-in simulator under a concurrency sweep 1 -> 256 (one phase per
+# doubling, 120 simulated seconds a sweep, repeated), accelerated so that the default run -
+# ten sweeps - takes about a minute of wall time.
 DEFAULT_SIM_PROFILE = "h200-llama8b"
 DEFAULT_SIM_WORKLOAD = "chat"
-DEFAULT_SIM_LOAD = "15:1,15:2,15:4,15:8,15:16,15:32,15:64,15:128,15:256"
+DEFAULT_SIM_LOAD = "loop:12:1,12:2,12:4,12:8,12:16,12:32,12:64,12:128,24:256"
 DEFAULT_SIM_SPEED = 20.0
-DEFAULT_SIM_DURATION_S = 135.0  # simulated seconds: the whole sweep
+DEFAULT_SIM_DURATION_S = 1200.0  # simulated seconds
+# Lifted from SGLang's default of 48 under EAGLE so that the sweep reaches 256 in flight.
+DEFAULT_SIM_MAX_RUNNING = 256
+# A simulated run keeps its own history, apart from real servers'.
+DEFAULT_SIM_DB_URL = "sqlite:///dynspec-sim.db"
 
 _HOST_PORT = re.compile(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})$")
 
@@ -187,9 +194,15 @@ class TunerConfig:
 
     @classmethod
     def from_sources(
-        cls, flags: Mapping[str, Any], env: Mapping[str, str] | None = None
+        cls,
+        flags: Mapping[str, Any],
+        env: Mapping[str, str] | None = None,
+        *,
+        defaults: Mapping[str, Any] | None = None,
     ) -> TunerConfig:
-        """Merge command-line flags (None = not given) over ``DYNSPEC_*`` variables.
+        """Merge command-line flags (None = not given) over ``DYNSPEC_*`` variables over
+        ``defaults`` (fields whose default differs for this use, e.g. ``run --simulate``'s
+        database) over the class defaults.
 
         Flags: ``servers, db_url, policy, interval_s, decision_period_s, buckets,
         api_key_file, dry_run, duration_s, timeout_s, seed``. Variables:
@@ -202,7 +215,7 @@ class TunerConfig:
             ConfigError: naming the flag or variable at fault.
         """
         env = os.environ if env is None else env
-        out: dict[str, Any] = {}
+        out: dict[str, Any] = dict(defaults or {})
 
         def pick(flag: str, var: str, parse: Any) -> None:
             value = flags.get(flag)
@@ -266,6 +279,8 @@ class SimulateConfig:
         load: a concurrency schedule ``DUR:CONC,...`` (simulated seconds : requests).
         speed: simulated seconds per wall second.
         duration_s: simulated seconds to run the tuner for.
+        max_running: the simulated server's running-request cap.
+        seed: seeds the simulator.
     """
 
     profile: str = DEFAULT_SIM_PROFILE
@@ -273,6 +288,8 @@ class SimulateConfig:
     load: str = DEFAULT_SIM_LOAD
     speed: float = DEFAULT_SIM_SPEED
     duration_s: float = DEFAULT_SIM_DURATION_S
+    max_running: int = DEFAULT_SIM_MAX_RUNNING
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if not self.profile:
@@ -284,3 +301,5 @@ class SimulateConfig:
         if not (math.isfinite(self.speed) and 0 < self.speed <= 10_000):
             raise ConfigError(f"speed must be in (0, 10000], got {self.speed!r}")
         _positive("duration", self.duration_s)
+        if self.max_running < 1:
+            raise ConfigError(f"max running must be >= 1, got {self.max_running}")

@@ -209,6 +209,9 @@ class Daemon:
         wait: ``wait(seconds) -> stopped`` between ticks; defaults to waiting on the stop
             event, so :meth:`request_stop` (e.g. from a signal handler) ends a wait at once.
         on_tick: called with a :class:`DaemonStatus` after every tick (live status).
+        stop_event: set it (e.g. from a signal handler) to stop :meth:`run`; one is created
+            when None (see :meth:`request_stop`).
+        max_buffered_rows: rows kept in memory while the history is unavailable.
 
     Raises:
         ConfigError: an unknown policy or bad policy parameters.
@@ -226,6 +229,7 @@ class Daemon:
         clock: Callable[[], float] = time.time,
         wait: Callable[[float], bool] | None = None,
         on_tick: Callable[[DaemonStatus], None] | None = None,
+        stop_event: threading.Event | None = None,
         max_buffered_rows: int = DEFAULT_MAX_BUFFERED_ROWS,
     ) -> None:
         self.config = config
@@ -234,7 +238,7 @@ class Daemon:
         self._policy_factory = policy_factory or self._default_factory(config)
         self.metrics = metrics
         self.clock = clock
-        self._stop = threading.Event()
+        self._stop = stop_event if stop_event is not None else threading.Event()
         self._wait = wait or self._stop.wait
         self.on_tick = on_tick
         self._own_clients = clients is None

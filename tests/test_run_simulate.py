@@ -1,0 +1,41 @@
+"""`dynspec-tuner run --simulate` end to end, as a user runs it: a subprocess, a real SQLite
+file, the simulator over loopback HTTP."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from storage import Storage
+from tuner.protocol import format_table
+
+
+def test_run_simulate_records_history_and_leaves_the_applied_table(tmp_path):
+    db = tmp_path / "sim.db"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tuner.cli", "run", "--simulate", "--duration", "30",
+         "--speed", "60", "--load", "10:1,10:4,10:16", "--db", f"sqlite:///{db}"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "learned vs oracle per bucket" in out
+    m = re.search(r"server left on v(\d+): (.+) \((\d+) pushes\)", out)
+    assert m, out
+    version, table_text, pushes = int(m.group(1)), m.group(2), int(m.group(3))
+    assert pushes >= 1
+    with Storage(f"sqlite:///{db}", read_only=True) as st:
+        (server,) = st.servers()
+        assert server.address.startswith("127.0.0.1:") and server.arms == (0, 1, 3, 5)
+        obs = st.observations()
+        assert obs and {o.b for o in obs} >= {1, 4, 16}
+        assert all(o.decode_steps > 0 and o.busy_s > 0 for o in obs)
+        applied = [v for v in st.policy_versions() if v.outcome == "applied"]
+        # What the server ended on is the last table the history says it applied.
+        assert applied[-1].version == version
+        assert format_table(applied[-1].table) == table_text
+        assert [v.version for v in applied] == sorted({v.version for v in applied})
+        # Observations span the simulated run, not the wall time it took.
+        assert obs[-1].ts - obs[0].ts > 20
+    assert not (tmp_path / "dynspec.db").exists()  # nothing written beside it

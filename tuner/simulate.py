@@ -1,0 +1,271 @@
+"""``dynspec-tuner run --simulate``: the daemon against the built-in simulator, then a verdict.
+
+Starts a :class:`~tuner.sim.server.SimServer` on a free loopback port with built-in load,
+runs the real :class:`~tuner.daemon.Daemon` against it over HTTP on the simulator's clock
+(intervals and decision periods are simulated seconds; ``speed`` compresses them into wall
+time), and compares what was learned with the oracle per bucket.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from policies import BasePolicy
+from storage import Storage
+from tuner.config import SimulateConfig, TunerConfig
+from tuner.daemon import Daemon, DaemonStatus
+from tuner.errors import ConfigError
+from tuner.protocol import Table, lookup
+
+__all__ = [
+    "DEFAULT_MIN_VERDICT_STEPS",
+    "DEFAULT_TOLERANCE",
+    "BucketVerdict",
+    "SimulationSummary",
+    "run_simulation",
+    "summarize",
+]
+
+log = logging.getLogger(__name__)
+
+# A bucket is judged only with this many decode steps behind it (fewer say little).
+DEFAULT_MIN_VERDICT_STEPS = 200
+# An arm within this fraction of the oracle's goodput counts as right.
+DEFAULT_TOLERANCE = 0.02
+
+
+# How often a wait checks whether the simulator has reached the daemon's next tick.
+_POLL_S = 0.0005
+
+
+class _Lockstep:
+    """The simulator's clock, advanced by the daemon's waits (see run_simulation)."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@dataclass(frozen=True, slots=True)
+class BucketVerdict:
+    """The learned arm of one bucket against the oracle's, over the bucket's occupancy."""
+
+    label: str
+    steps: int
+    learned_k: int
+    oracle_k: int
+    learned_goodput: float  # expected tokens/s of the learned arm over this occupancy
+    oracle_goodput: float
+
+    @property
+    def ratio(self) -> float:
+        return self.learned_goodput / self.oracle_goodput if self.oracle_goodput > 0 else math.nan
+
+    def ok(self, tolerance: float = DEFAULT_TOLERANCE) -> bool:
+        return self.learned_k == self.oracle_k or self.ratio >= 1.0 - tolerance
+
+
+@dataclass(frozen=True)
+class SimulationSummary:
+    """What a simulated run learned, measured against the oracle."""
+
+    server: str
+    profile: str
+    workload: str
+    simulated_s: float
+    wall_s: float
+    pushes: int
+    final_version: int
+    server_table: Table  # what the simulated server runs at the end
+    greedy_table: Table
+    buckets: tuple[BucketVerdict, ...]
+    measured_goodput: float  # emitted tokens per busy second over the whole run
+    oracle_goodput: float  # expected, per-batch-size oracle, same occupancy
+    learned_goodput: float  # expected, the greedy table, same occupancy
+    default_goodput: float  # expected, the server's default (largest arm everywhere)
+    observations: int
+    db_url: str
+
+    def judged(self, min_steps: int = DEFAULT_MIN_VERDICT_STEPS) -> tuple[BucketVerdict, ...]:
+        return tuple(v for v in self.buckets if v.steps >= min_steps)
+
+    def all_ok(self, min_steps: int = DEFAULT_MIN_VERDICT_STEPS) -> bool:
+        return all(v.ok() for v in self.judged(min_steps))
+
+
+def summarize(
+    *,
+    storage: Storage,
+    server: str,
+    policy: BasePolicy,
+    profile: object,
+    workload: object,
+    graph_bs: tuple[int, ...],
+    skip_zero_draft_extend: bool = False,
+) -> tuple[tuple[BucketVerdict, ...], float, float, float, float, int]:
+    """Per-bucket verdicts and run-wide goodputs from the stored history of ``server``.
+
+    Returns:
+        ``(verdicts, measured, oracle, learned, default, observations)``.
+    """
+    from tuner.sim import oracle
+
+    aggs = storage.aggregate(server=server)
+    occupancy: dict[int, float] = {}
+    emitted = busy = 0.0
+    rows = 0
+    for a in aggs:
+        occupancy[a.b] = occupancy.get(a.b, 0.0) + a.decode_steps
+        emitted += a.emitted_tokens
+        busy += a.busy_s
+        rows += a.rows
+    kw = {"graph_bs": graph_bs, "skip_zero_draft_extend": skip_zero_draft_extend}
+    buckets = policy.buckets
+    greedy = policy.greedy()
+    arms = policy.arms
+    verdicts = []
+    for i in range(len(buckets)):
+        low, high = buckets.bounds(i)
+        occ = {b: w for b, w in occupancy.items() if b >= low and (high is None or b <= high)}
+        if not occ:
+            continue
+        goodputs = {
+            k: oracle.table_goodput(profile, workload, ((None, k),), occ, **kw)  # type: ignore[arg-type]
+            for k in arms
+        }
+        best = max(arms, key=lambda k: (goodputs[k], -k))
+        learned = lookup(greedy, high if high is not None else low)
+        verdicts.append(
+            BucketVerdict(
+                label=buckets.label(i),
+                steps=int(sum(occ.values())),
+                learned_k=learned,
+                oracle_k=best,
+                learned_goodput=goodputs[learned],
+                oracle_goodput=goodputs[best],
+            )
+        )
+    if occupancy:
+        oracle_g = oracle.oracle_goodput(profile, workload, arms, occupancy, **kw)  # type: ignore[arg-type]
+        learned_g = oracle.table_goodput(profile, workload, greedy, occupancy, **kw)  # type: ignore[arg-type]
+        default_g = oracle.table_goodput(profile, workload, ((None, max(arms)),), occupancy, **kw)  # type: ignore[arg-type]
+    else:
+        oracle_g = learned_g = default_g = math.nan
+    measured = emitted / busy if busy > 0 else math.nan
+    return tuple(verdicts), measured, oracle_g, learned_g, default_g, rows
+
+
+def run_simulation(
+    config: TunerConfig,
+    sim: SimulateConfig,
+    *,
+    stop_event: threading.Event | None = None,
+    on_tick: Callable[[DaemonStatus], None] | None = None,
+    metrics: object = None,
+) -> SimulationSummary:
+    """Start the simulator, tune it for ``sim.duration_s`` simulated seconds (or until
+    ``stop_event``), and judge the result.
+
+    ``config.servers`` is ignored (the simulator's address is used); ``config.duration_s``
+    is replaced by ``sim.duration_s``.
+
+    Raises:
+        ConfigError: an unknown profile, workload or load schedule.
+        StorageError: the database cannot be opened.
+    """
+    from tuner.sim.server import SimServer
+
+    stop = stop_event if stop_event is not None else threading.Event()
+    pace = _Lockstep()
+    try:
+        # The simulator's clock is ``pace``: virtual time moves only when the daemon waits,
+        # so every reading sees exactly one interval of simulated traffic however long the
+        # daemon's own work takes; ``sim.speed`` caps how fast that runs in wall time.
+        server = SimServer(
+            profile=sim.profile,
+            workload=sim.workload,
+            load=sim.load,
+            max_running=sim.max_running,
+            seed=sim.seed,
+            speed=1.0,
+            clock=pace,
+            port=0,
+        )
+    except ValueError as exc:  # e.g. a profile that cannot cost the running-request cap
+        raise ConfigError(f"simulator: {exc}") from exc
+    storage = Storage(config.db_url)
+    wall0 = time.monotonic()
+    try:
+        server.start()
+        address = f"127.0.0.1:{server.port}"
+        cfg = config.with_(servers=(address,), duration_s=sim.duration_s)
+        engine_t0 = server.engine.now
+        epoch0 = time.time()
+        paced_until = time.monotonic()
+
+        def clock() -> float:
+            return epoch0 + pace.t
+
+        def wait(seconds: float) -> bool:
+            nonlocal paced_until
+            target = pace.t + seconds
+            pace.t = target
+            engine = server.engine
+            while engine.now < target - 1e-9:  # the driver catches up within milliseconds
+                if stop.wait(_POLL_S):
+                    return True
+            paced_until = max(paced_until + seconds / sim.speed, time.monotonic() - 1.0)
+            ahead = paced_until - time.monotonic()
+            return stop.wait(ahead) if ahead > 0 else stop.is_set()
+
+        daemon = Daemon(cfg, storage=storage, clock=clock, wait=wait, on_tick=on_tick,
+                        stop_event=stop, metrics=metrics)
+        log.info("simulating %s / %s under load %s at x%g for %g simulated s",
+                 sim.profile, sim.workload, sim.load, sim.speed, sim.duration_s)
+        daemon.run()
+        simulated = server.engine.now - engine_t0
+        with server.lock:
+            core = server.core
+            server_table, version = core.table, core.version
+        policy = daemon.policy_of(address)
+        status = daemon.status()
+        pushes = status.servers[0].pushes if status is not None else 0
+        if policy is None:
+            raise ConfigError("the simulator never answered; nothing was learned")
+        verdicts, measured, oracle_g, learned_g, default_g, rows = summarize(
+            storage=storage,
+            server=address,
+            policy=policy,
+            profile=server.engine.profile,
+            workload=server.engine.workload,
+            graph_bs=tuple(server.engine.graph_bs),
+            skip_zero_draft_extend=server.engine.skip_zero_draft_extend,
+        )
+        return SimulationSummary(
+            server=address,
+            profile=sim.profile,
+            workload=sim.workload,
+            simulated_s=simulated,
+            wall_s=time.monotonic() - wall0,
+            pushes=pushes,
+            final_version=version,
+            server_table=server_table,
+            greedy_table=policy.greedy(),
+            buckets=verdicts,
+            measured_goodput=measured,
+            oracle_goodput=oracle_g,
+            learned_goodput=learned_g,
+            default_goodput=default_g,
+            observations=rows,
+            db_url=storage.url,
+        )
+    finally:
+        server.stop()
+        storage.close()
