@@ -60,10 +60,13 @@ DEFAULT_CONNECT_TIMEOUT_S = 5.0
 # A request at concurrency 128 behind a 48-request running cap queues for minutes on a slow
 # box; the read timeout only catches a server that stopped answering.
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
-# Transient failures (5xx, read timeouts, dropped connections) in a row before the load gives
-# up on the server; a refused connection or a 4xx stops it at once.
+# Transient failures (5xx, read timeouts, dropped connections) in a row, per worker and with
+# doubling back-off, before the load gives up on the server; a refused connection or a 4xx
+# stops it at once.
 DEFAULT_MAX_CONSECUTIVE_ERRORS = 10
 DEFAULT_MODEL = "default"
+_RETRY_BASE_S = 0.05
+_RETRY_MAX_S = 2.0
 DEFAULT_SYNTHETIC_PROMPTS = 64
 
 ENDPOINTS = {"completions": "/v1/completions", "generate": "/generate"}
@@ -377,7 +380,6 @@ class ClosedLoop:
         self._inflight_epochs: Counter[int] = Counter()
         self._changed: asyncio.Condition | None = None
         self._fatal: ServerError | None = None
-        self._consecutive_errors = 0
         self.records: list[RequestRecord] = []
         self.errors = 0
         self.in_flight = 0
@@ -521,6 +523,7 @@ class ClosedLoop:
         return prompt
 
     async def _worker(self, slot: int) -> None:
+        failures = 0  # this worker's transient failures in a row
         while slot < self._target and self._fatal is None:
             prompt = self._take_prompt()
             epoch = self._epoch
@@ -532,15 +535,14 @@ class ClosedLoop:
             tokens: int | None = None
             try:
                 tokens = await self._send(prompt)
-                self._consecutive_errors = 0
+                failures = 0
             except _Transient as exc:
                 self.errors += 1
-                self._consecutive_errors += 1
+                failures += 1
                 log.warning("%s: request failed: %s", self.server, exc)
-                if self._consecutive_errors >= self.config.max_consecutive_errors:
+                if failures >= self.config.max_consecutive_errors:
                     self._fatal = ServerUnavailableError(
-                        self.server,
-                        f"{self._consecutive_errors} requests in a row failed; last: {exc}",
+                        self.server, f"{failures} requests in a row failed; last: {exc}"
                     )
             except ServerError as exc:
                 self.errors += 1
@@ -555,6 +557,10 @@ class ClosedLoop:
             if tokens is not None:
                 self.records.append(RequestRecord(start, end, tokens, epoch))
             await self._notify()
+            if failures and self._fatal is None:
+                # Back off before retrying so a burst of resets (a full listen backlog when
+                # 128 workers connect at once, a restarting server) is ridden out, not hammered.
+                await asyncio.sleep(min(_RETRY_BASE_S * 2 ** (failures - 1), _RETRY_MAX_S))
 
     def _body(self, prompt: str) -> dict[str, object]:
         cfg = self.config
