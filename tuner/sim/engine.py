@@ -497,8 +497,7 @@ class Engine:
         self._flush()
         rem = self._rem[:n]
         if k > 0:
-            u = self._acc_rng.random(n)
-            acc = (u[:, None] < self._surv[:n, :k]).sum(axis=1)
+            acc = self._accept(n, k)
             accepted = int(acc.sum())
             emitted = accepted + n
             rem -= acc
@@ -534,6 +533,15 @@ class Engine:
         done = rem <= 0
         if done.any():
             self._finish(np.flatnonzero(done))
+
+    def _accept(self, n: int, k: int) -> np.ndarray:
+        """Accepted drafts of each running request in one step at arm ``k``.
+
+        One uniform per request against its survival row ``P(A >= i)``: the count of
+        positions it clears is a draw of the chain's accepted length.
+        """
+        u = self._acc_rng.random(n)
+        return (u[:, None] < self._surv[:n, :k]).sum(axis=1)
 
     def _log_tick(self, n: int, k: int) -> None:
         c = self.counters
