@@ -218,6 +218,8 @@ def test_state_round_trip():
         ({"counters": [[8, 5, 1, 2, 1, 5, math.inf]]}, "busy_s must be a finite number"),
         ({"counters": [[8, 5, 1.5, 2, 1, 5, 0.1]]}, "must be an integer"),
         ({"started_at": "yesterday"}, "started_at must be a number"),
+        ({"policy_version": -1}, "policy_version must be >= 0"),
+        ({"hooks_live": "false"}, "hooks_live must be true or false"),
     ],
 )
 def test_state_rules(over, rule):

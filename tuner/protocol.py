@@ -334,15 +334,22 @@ class DynspecState:
             started = obj["started_at"]
             if isinstance(started, bool) or not isinstance(started, (int, float)):
                 raise ProtocolError(f"started_at must be a number, got {started!r}")
+            version = _as_int(obj["policy_version"], "policy_version")
+            if version < 0:
+                raise ProtocolError(f"policy_version must be >= 0, got {version}")
+            hooks_live = obj.get("hooks_live", True)
+            if not isinstance(hooks_live, bool):
+                # bool("false") is True: a malformed flag must not read as live hooks.
+                raise ProtocolError(f"hooks_live must be true or false, got {hooks_live!r}")
             return cls(
                 arms=arms,
-                policy_version=_as_int(obj["policy_version"], "policy_version"),
+                policy_version=version,
                 table=table_from_json(obj["table"], arms),
                 counters=tuple(CounterRow.from_json(r) for r in counters_raw),
                 started_at=float(started),
                 updates_applied=_as_int(obj.get("updates_applied", 0), "updates_applied"),
                 updates_rejected=_as_int(obj.get("updates_rejected", 0), "updates_rejected"),
-                hooks_live=bool(obj.get("hooks_live", True)),
+                hooks_live=hooks_live,
                 reason=None if obj.get("reason") is None else str(obj.get("reason")),
                 untimed_steps=_as_int(obj.get("untimed_steps", 0), "untimed_steps"),
                 last_rejection=(
