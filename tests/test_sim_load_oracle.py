@@ -73,6 +73,14 @@ def test_closed_loop_follows_its_schedule():
     assert _in_system(eng) == 5
 
 
+def test_a_replaced_load_starts_no_successors():
+    eng = Engine(profile="h200-llama8b", workload="chat", load=ClosedLoop([(1e9, 10)]))
+    eng.run_until(5.0)
+    eng.attach_load(ClosedLoop([(1e9, 2)]))
+    eng.run_until(300.0)
+    assert _in_system(eng) == 2
+
+
 def test_closed_loop_repeats():
     load = ClosedLoop([(10, 1), (10, 3)], repeat=True)
     eng = Engine(profile="h200-llama8b", workload="chat", load=load)

@@ -73,6 +73,17 @@ def test_foreign_keys_are_refused_as_sglang_refuses_them(client):
     assert _dynspec(client).policy_version == 0
 
 
+def test_sglang_keys_ride_along_and_fall_with_a_refused_table(client):
+    bad = encode_update(((None, 2),), 1) | {"speculative_accept_threshold_single": 0.5}
+    assert client.post("/set_internal_state", json={"server_args": bad}).json() == [False]
+    assert client.get("/server_info").json()["speculative_accept_threshold_single"] == 1.0
+    good = encode_update(((None, 1),), 1) | {"speculative_accept_threshold_single": 0.5}
+    assert client.post("/set_internal_state", json={"server_args": good}).json() == [True]
+    info = client.get("/server_info").json()
+    assert info["speculative_accept_threshold_single"] == 0.5
+    assert info["internal_states"][0]["dynspec"]["table"] == [[None, 1]]
+
+
 def test_numbers_as_strings_are_coerced_like_pydantic(client):
     flat = {k: str(v) for k, v in encode_update(((4, 3), (None, 0)), 1).items()}
     assert client.post("/set_internal_state", json={"server_args": flat}).json() == [True]

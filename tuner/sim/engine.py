@@ -306,7 +306,10 @@ class Engine:
     # --- inputs -----------------------------------------------------------------------------
 
     def attach_load(self, load: Load) -> None:
-        """Replace the built-in traffic; the new load starts at ``now``."""
+        """Replace the built-in traffic; the new load starts at ``now``.
+
+        Requests of the previous load still run to completion but start no successors.
+        """
         self._load = load
         load.start(self)
         self._load_next = load.next_time()
@@ -330,6 +333,8 @@ class Engine:
         if cls is None:
             rc = self.workload.sample_class(rng, t)
         elif isinstance(cls, str):
+            if cls not in CLASSES:
+                raise ValueError(f"unknown request class {cls!r} (known: {', '.join(CLASSES)})")
             rc = CLASSES[cls]
         else:
             rc = cls
@@ -586,7 +591,8 @@ class Engine:
         for r in done:
             if r.on_finish is not None:
                 r.on_finish(r)
-            if r.load is not None:
+            # A load that was replaced stops: its requests finish without follow-ups.
+            if r.load is not None and r.load is self._load:
                 r.load.on_finish(self, r)
         # A load may have submitted on finish; its next action time may have moved.
         self._load_next = self._load.next_time()

@@ -160,6 +160,8 @@ class SimServer:
         self.engine = engine
         self.lock = threading.RLock()
         self.interceptors: list[Interceptor] = []
+        # Values of SGLang's own settable keys, as reported in /server_info.
+        self.settable: dict[str, Any] = dict(SGLANG_SETTABLE)
         self._routes: dict[tuple[str, str], Callable[[HttpRequest], HttpResponse]] = {
             ("GET", "/health"): self._health,
             ("GET", "/health_generate"): self._health,
@@ -333,8 +335,7 @@ class SimServer:
             "speculative_num_draft_tokens": steps + 1,
             "speculative_adaptive": True,
             "speculative_adaptive_config": None,
-            "speculative_accept_threshold_single": 1.0,
-            "speculative_accept_threshold_acc": 1.0,
+            **self.settable,
             "sim_profile": eng.profile.name,
             "sim_workload": eng.workload.name,
             "sim_speed": self.speed,
@@ -383,19 +384,23 @@ class SimServer:
         # Coerce as pydantic does (true -> 1, "3" -> 3) before the scheduler sees it.
         coerced = {k: _coerce_number(v) for k, v in args.items()}
         ours = {k: v for k, v in coerced.items() if k.startswith("dynspec_")}
-        others = sorted(k for k in coerced if not k.startswith("dynspec_"))
+        theirs = {k: v for k, v in coerced.items() if not k.startswith("dynspec_")}
+        unknown = sorted(set(theirs) - set(SGLANG_SETTABLE))
         with self.lock:
-            if others:
-                # SGLang refuses an unknown key ("Updating X is not supported.") and applies
-                # nothing; the simulator knows no SGLang keys.
+            if unknown:
+                # SGLang answers "Updating X is not supported." and applies nothing.
                 ok = False
-                log.info("set_internal_state: unsupported keys %s", ", ".join(others[:5]))
-            elif ours:
-                ok, reason = self.engine.core.apply_update(ours)
-                if not ok:
-                    log.info("set_internal_state rejected: %s", reason)
+                log.info("set_internal_state: unsupported keys %s", ", ".join(unknown[:5]))
             else:
-                ok = False
+                ok = True
+                if ours:
+                    # The plugin's hook validates its keys first, atomically; on refusal the
+                    # other keys are not applied either.
+                    ok, reason = self.engine.core.apply_update(ours)
+                    if not ok:
+                        log.info("set_internal_state rejected: %s", reason)
+                if ok:
+                    self.settable.update(theirs)
         return HttpResponse.json([ok] * self.dp_size)
 
     def _metrics(self, req: HttpRequest) -> HttpResponse:
@@ -540,6 +545,14 @@ class SimServer:
                 },
             }
         )
+
+
+# Built-in keys SGLang 0.5.23's set_internal_state accepts (sglang-integration.md §4).
+SGLANG_SETTABLE = {
+    "pp_max_micro_batch_size": None,
+    "speculative_accept_threshold_single": 1.0,
+    "speculative_accept_threshold_acc": 1.0,
+}
 
 
 # --- helpers --------------------------------------------------------------------------------
