@@ -53,6 +53,9 @@ DEFAULT_BUSY_TIMEOUT_S = 5.0
 # policy older evidence weighs next to nothing, and the replay stays well under a second.
 DEFAULT_WARM_START_ROWS = 50_000
 
+# Storage.moments on SQLite: floor(x) = CAST(x + shift AS INTEGER) - shift for x > -shift.
+_BIN_SHIFT = 1 << 30
+
 _PASSWORD_IN_URL = re.compile(r"(://[^:/@]*:)[^@]*(@)")
 
 
@@ -532,8 +535,7 @@ class Storage:
 
         For reports: confidence intervals of goodput and time series without moving rows
         into Python. ``bin_s`` None puts every row in bin 0; otherwise a row at ``ts`` falls
-        in bin ``floor((ts - origin) / bin_s)`` (``origin`` at or before ``since``). Ordered by
-        server, bin, b, k.
+        in bin ``floor((ts - origin) / bin_s)``. Ordered by server, bin, b, k.
         """
         if bin_s is not None and not bin_s > 0:
             raise ValueError(f"bin_s must be > 0, got {bin_s}")
@@ -541,46 +543,47 @@ class Storage:
         if bin_s is None:
             bin_expr: Any = cast(0, Integer)
         elif self._engine.dialect.name == "sqlite":
-            # SQLite's CAST truncates toward zero (= floor, as ts >= origin); PostgreSQL's
-            # rounds, hence floor() there.
-            bin_expr = cast((o.ts - origin) / bin_s, Integer)
+            # floor(): SQLite's CAST truncates toward zero, wrong below the origin, and its
+            # floor() exists only in builds with math functions; shifted by 2^30 bins first.
+            bin_expr = cast((o.ts - origin) / bin_s + _BIN_SHIFT, Integer) - _BIN_SHIFT
         else:
             bin_expr = cast(func.floor((o.ts - origin) / bin_s), Integer)
         bin_col = bin_expr.label("bin")
         # Products as doubles: SQLite's integer SUM raises on overflow.
         e = cast(o.emitted_tokens, Double)
-        q = (
-            select(
-                ServerModel.address,
-                bin_col,
-                o.b,
-                o.k,
-                func.count(o.id),
-                func.sum(o.decode_steps),
-                func.sum(o.emitted_tokens),
-                func.sum(o.accepted_drafts),
-                func.sum(o.drafted_tokens),
-                func.sum(o.busy_s),
-                func.sum(e * e),
-                func.sum(e * o.busy_s),
-                func.sum(o.busy_s * o.busy_s),
-                func.min(o.ts),
-                func.max(o.ts),
-            )
-            .join(ServerModel, o.server_id == ServerModel.id)
-            .group_by(ServerModel.address, bin_col, o.b, o.k)
-            .order_by(ServerModel.address, bin_col, o.b, o.k)
-        )
+        # Grouped by the server's id, named afterwards: no join over a million rows.
+        q = select(
+            o.server_id,
+            bin_col,
+            o.b,
+            o.k,
+            func.count(o.id),
+            func.sum(o.decode_steps),
+            func.sum(o.emitted_tokens),
+            func.sum(o.accepted_drafts),
+            func.sum(o.drafted_tokens),
+            func.sum(o.busy_s),
+            func.sum(e * e),
+            func.sum(e * o.busy_s),
+            func.sum(o.busy_s * o.busy_s),
+            func.min(o.ts),
+            func.max(o.ts),
+        ).group_by(o.server_id, bin_col, o.b, o.k)
         if server is not None:
-            q = q.where(ServerModel.address == server)
+            q = q.where(
+                o.server_id.in_(
+                    select(ServerModel.id).where(ServerModel.address == server).scalar_subquery()
+                )
+            )
         if since is not None:
             q = q.where(o.ts >= since)
         if until is not None:
             q = q.where(o.ts < until)
         with self._session_scope("aggregating observation moments") as s:
-            return [
+            names = dict(s.execute(select(ServerModel.id, ServerModel.address)).all())
+            out = [
                 ObservationMoments(
-                    server=r[0],
+                    server=names[r[0]],
                     bin=int(r[1]),
                     b=int(r[2]),
                     k=int(r[3]),
@@ -598,6 +601,8 @@ class Storage:
                 )
                 for r in s.execute(q)
             ]
+        out.sort(key=lambda m: (m.server, m.bin, m.b, m.k))
+        return out
 
     def warm_start(
         self,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import uuid
 from pathlib import Path
 
 import pytest
@@ -9,15 +11,37 @@ import pytest
 from storage import ObservationRecord, Storage
 
 
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def url(request: pytest.FixtureRequest, tmp_path: Path):
+    """A fresh database: an SQLite file, and PostgreSQL when DYNSPEC_TEST_POSTGRES_URL is set."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'h.db'}"
+        return
+    base = os.environ.get("DYNSPEC_TEST_POSTGRES_URL")
+    if not base:
+        pytest.skip("DYNSPEC_TEST_POSTGRES_URL is not set")
+    from sqlalchemy import create_engine, text
+
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(base)
+    with admin.begin() as c:
+        c.execute(text(f"CREATE SCHEMA {schema}"))
+    sep = "&" if "?" in base else "?"
+    yield f"{base}{sep}options=-csearch_path%3D{schema}"
+    with admin.begin() as c:
+        c.execute(text(f"DROP SCHEMA {schema} CASCADE"))
+    admin.dispose()
+
+
 def _obs(ts: float, b: int, k: int, e: int, t: float, server: str = "s:1") -> ObservationRecord:
     return ObservationRecord(server=server, ts=ts, b=b, k=k, decode_steps=10, emitted_tokens=e,
                              accepted_drafts=e // 4, drafted_tokens=e // 2, busy_s=t)
 
 
-def test_moments_sum_squares_per_bin_b_k(tmp_path: Path) -> None:
+def test_moments_sum_squares_per_bin_b_k(url: str) -> None:
     rows = [_obs(100.0, 4, 3, 40, 0.5), _obs(104.0, 4, 3, 60, 0.5), _obs(111.0, 4, 3, 10, 0.25),
             _obs(101.0, 8, 0, 80, 1.0), _obs(101.0, 8, 0, 7, 1.0, server="other:2")]
-    with Storage(f"sqlite:///{tmp_path / 'h.db'}") as st:
+    with Storage(url) as st:
         st.record_tick(observations=rows)
         assert st.observation_span() == (100.0, 111.0)
         assert st.observation_span(server="s:1", since=101.0) == (101.0, 111.0)
@@ -38,3 +62,13 @@ def test_moments_sum_squares_per_bin_b_k(tmp_path: Path) -> None:
         assert st.moments(server="s:1", since=104.0, until=111.0)[0].emitted_tokens == 60
         with pytest.raises(ValueError):
             st.moments(bin_s=0)
+
+
+def test_moments_bins_are_floored_below_the_origin(url: str) -> None:
+    huge = 1 << 20
+    rows = [_obs(100.0, huge + 3, 1, 40, 0.5), _obs(100.0, 3, 1, 60, 0.5),
+            _obs(90.0, 3, 1, 6, 0.5)]  # before the origin: bin -1 (floor, not truncation)
+    with Storage(url) as st:
+        st.record_tick(observations=rows)
+        got = [(m.bin, m.b, m.k, m.emitted_tokens) for m in st.moments(bin_s=5.0, origin=92.0)]
+    assert got == [(-1, 3, 1, 6), (1, 3, 1, 60), (1, huge + 3, 1, 40)]

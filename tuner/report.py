@@ -827,7 +827,9 @@ def make_plots(s: ServerReport) -> dict[str, bytes]:
     out: dict[str, bytes] = {}
 
     # 1. goodput vs batch size per arm, learned decisions and crossover marked.
-    fig = Figure(figsize=(9, 5), layout="constrained")
+    # Fixed margins instead of a layout engine: constrained layout draws every figure twice.
+    fig = Figure(figsize=(9, 5))
+    fig.subplots_adjust(left=0.09, right=0.86, bottom=0.11, top=0.92)
     ax = fig.add_subplot()
     for k in arms:
         pts = [p for p in s.curve if p.k == k]
@@ -867,7 +869,8 @@ def make_plots(s: ServerReport) -> dict[str, bytes]:
     out["goodput-vs-batch"] = png(fig)
 
     # 2. chosen arm per bucket over time, from the recorded tables.
-    fig = Figure(figsize=(9, 4), layout="constrained")
+    fig = Figure(figsize=(9, 4))
+    fig.subplots_adjust(left=0.11, right=0.97, bottom=0.13, top=0.91)
     ax = fig.add_subplot()
     applied = [v for v in s.versions if v.outcome in ("applied", "dry_run")]
     if s.table is not None and (not applied or s.table.ts < applied[0].ts):
@@ -902,7 +905,8 @@ def make_plots(s: ServerReport) -> dict[str, bytes]:
     out["chosen-arm-over-time"] = png(fig)
 
     # 3. goodput over time (all arms together, and per arm).
-    fig = Figure(figsize=(9, 4), layout="constrained")
+    fig = Figure(figsize=(9, 4))
+    fig.subplots_adjust(left=0.09, right=0.86, bottom=0.13, top=0.91)
     ax = fig.add_subplot()
     if s.timeline:
         t0 = min(p.t for p in s.timeline)
