@@ -229,7 +229,8 @@ class TableProfile(CostProfile):
                 raise ProfileRangeError(
                     f"profile {self.name!r} ({self.source}) measured batch sizes "
                     f"{bs[0]}..{bs[-1]}; batch size {b} would be an extrapolation "
-                    "(load it with extrapolate='clamp' or 'linear', or lower max_running)"
+                    "(allow extrapolation: --extrapolate clamp|linear, or extrapolate= in load_profile; "
+                    "or lower the running-request cap)"
                 )
         i = bisect_left(bs, b)
         if i < len(bs) and bs[i] == b:
