@@ -112,52 +112,62 @@ def summarize(
 ) -> tuple[tuple[BucketVerdict, ...], float, float, float, float, int]:
     """Per-bucket verdicts and run-wide goodputs from the stored history of ``server``.
 
+    Tables are compared over the run's *time* at each batch size (busy seconds, whatever arm
+    ran): the load decides how long the server sits at a batch size, and a table decides
+    how many tokens it makes there. (Weighting by decode steps instead would favour arms with
+    long steps.) Expected goodputs come from the oracle's closed form.
+
     Returns:
         ``(verdicts, measured, oracle, learned, default, observations)``.
     """
     from tuner.sim import oracle
 
-    aggs = storage.aggregate(server=server)
-    occupancy: dict[int, float] = {}
+    occupancy: dict[int, float] = {}  # busy seconds per batch size
+    steps: dict[int, int] = {}
     emitted = busy = 0.0
     rows = 0
-    for a in aggs:
-        occupancy[a.b] = occupancy.get(a.b, 0.0) + a.decode_steps
+    for a in storage.aggregate(server=server):
+        occupancy[a.b] = occupancy.get(a.b, 0.0) + a.busy_s
+        steps[a.b] = steps.get(a.b, 0) + a.decode_steps
         emitted += a.emitted_tokens
         busy += a.busy_s
         rows += a.rows
+    arms = policy.arms
     kw = {"graph_bs": graph_bs, "skip_zero_draft_extend": skip_zero_draft_extend}
+    g = {
+        (b, k): oracle.expected_goodput(profile, workload, b, k, **kw)  # type: ignore[arg-type]
+        for b in occupancy
+        for k in arms
+    }
+
+    def mean(occ: dict[int, float], arm_of: Callable[[int], int]) -> float:
+        total = sum(occ.values())
+        return sum(t * g[(b, arm_of(b))] for b, t in occ.items()) / total if total else math.nan
+
     buckets = policy.buckets
     greedy = policy.greedy()
-    arms = policy.arms
     verdicts = []
     for i in range(len(buckets)):
         low, high = buckets.bounds(i)
-        occ = {b: w for b, w in occupancy.items() if b >= low and (high is None or b <= high)}
+        occ = {b: t for b, t in occupancy.items() if b >= low and (high is None or b <= high)}
         if not occ:
             continue
-        goodputs = {
-            k: oracle.table_goodput(profile, workload, ((None, k),), occ, **kw)  # type: ignore[arg-type]
-            for k in arms
-        }
-        best = max(arms, key=lambda k: (goodputs[k], -k))
+        by_arm = {k: mean(occ, lambda b, k=k: k) for k in arms}
+        best = max(arms, key=lambda k: (by_arm[k], -k))
         learned = lookup(greedy, high if high is not None else low)
         verdicts.append(
             BucketVerdict(
                 label=buckets.label(i),
-                steps=int(sum(occ.values())),
+                steps=sum(steps[b] for b in occ),
                 learned_k=learned,
                 oracle_k=best,
-                learned_goodput=goodputs[learned],
-                oracle_goodput=goodputs[best],
+                learned_goodput=by_arm[learned],
+                oracle_goodput=by_arm[best],
             )
         )
-    if occupancy:
-        oracle_g = oracle.oracle_goodput(profile, workload, arms, occupancy, **kw)  # type: ignore[arg-type]
-        learned_g = oracle.table_goodput(profile, workload, greedy, occupancy, **kw)  # type: ignore[arg-type]
-        default_g = oracle.table_goodput(profile, workload, ((None, max(arms)),), occupancy, **kw)  # type: ignore[arg-type]
-    else:
-        oracle_g = learned_g = default_g = math.nan
+    oracle_g = mean(occupancy, lambda b: max(arms, key=lambda k: (g[(b, k)], -k)))
+    learned_g = mean(occupancy, lambda b: lookup(greedy, b))
+    default_g = mean(occupancy, lambda b: max(arms))
     measured = emitted / busy if busy > 0 else math.nan
     return tuple(verdicts), measured, oracle_g, learned_g, default_g, rows
 
