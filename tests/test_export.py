@@ -147,3 +147,19 @@ def test_unwritable_output_names_the_path(history: str, tmp_path: Path) -> None:
     with Storage(history, read_only=True) as st:
         with pytest.raises(ConfigError, match="cannot write"):
             export(st, fmt="sglang-adaptive", out=blocker / "sub" / "a.json")
+
+
+def test_cli_export(history: str, tmp_path: Path, capsys) -> None:
+    from tuner.cli import main
+
+    out = tmp_path / "a.json"
+    assert main(["export", "--db", history, "--format", "sglang-adaptive",
+                 "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "from policy v14" in said and "pre-builds arms [0, 3, 5]" in said
+    assert load_sglang_adaptive(out)[0] == FINAL_TABLE
+    assert main(["export", "--db", history, "--format", "sglang-adaptive", "--out", str(out),
+                 "--source", "data", "--buckets", "2,16,48"]) == 0
+    assert "best arm per bucket" in capsys.readouterr().out
+    assert main(["export", "--db", history, "--format", "sglang-adaptive", "--out", str(out),
+                 "--server", "nobody:1"]) == 2

@@ -292,3 +292,22 @@ def test_open_history_refuses_a_missing_file_without_creating_it(tmp_path: Path)
     assert not missing.exists()
     with pytest.raises(ConfigError, match="not a database URL"):
         open_history("::::")
+
+
+def test_cli_report_text_json_and_errors(history: str, tmp_path: Path, capsys) -> None:
+    from tuner.cli import main
+
+    assert main(["report", "--db", history, "--buckets", "2,16,48"]) == 0
+    out = capsys.readouterr().out
+    assert "speculation stops paying from batch size 17" in out
+    assert max(len(line) for line in out.splitlines()) <= 100
+    assert main(["report", "--db", history, "--format", "json", "--server", SERVER]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["schema"] == REPORT_SCHEMA and doc["servers"][0]["server"] == SERVER
+    assert main(["report", "--db", history, "--format", "html", "--no-plots",
+                 "--out", str(tmp_path / "r.html")]) == 0
+    assert "data:image/png" not in (tmp_path / "r.html").read_text()
+    assert main(["report", "--db", f"sqlite:///{tmp_path / 'missing.db'}"]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert main(["report", "--db", history, "--server", "nobody:1"]) == 2
+    assert main(["report", "--db", history, "--since", "last tuesday"]) == 2

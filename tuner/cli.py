@@ -597,6 +597,154 @@ def _calibrate_from_db(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- report / export -----------------------------------------------------------------------
+
+
+def _history_url(flag: str | None) -> str:
+    import os
+
+    from tuner.config import DEFAULT_DB_URL
+
+    return flag or os.environ.get("DYNSPEC_DB") or DEFAULT_DB_URL
+
+
+@_command
+def _add_report(sub: argparse._SubParsersAction) -> None:
+    from pathlib import Path
+
+    from tuner.report import FORMATS
+
+    p = sub.add_parser(
+        "report",
+        help="what was learned: goodput per bucket and arm with 95% intervals, decisions, history",
+        description=(
+            "Per server and batch-size bucket: each arm's goodput with a 95% interval and its "
+            "sample counts, the chosen arm (from the table in effect; the best arm by the data "
+            "when no table was recorded) and its gain over k=0 and over the always-speculate "
+            "arm, acceptance per arm; the policy's version history with reasons; outages, "
+            "restarts and rejected updates. Plots: goodput vs batch size per arm with the "
+            "crossover marked, the chosen arm per bucket over time, goodput over time "
+            "(embedded in HTML; PNG files beside --out for text and JSON)."
+        ),
+    )
+    p.add_argument("--db", metavar="URL",
+                   help="history database (default: DYNSPEC_DB, else sqlite:///dynspec.db)")
+    p.add_argument("--server", metavar="HOST:PORT", help="one server (default: all)")
+    p.add_argument("--since", metavar="WHEN",
+                   help="only the last 90s/15m/1h/2d/1w, or since an ISO time (default: all)")
+    p.add_argument("--format", choices=FORMATS, default="text",
+                   help="text (fits 100 columns), json (schema dynspec-report/1) or html")
+    p.add_argument("--out", type=Path, metavar="FILE", help="write here instead of stdout")
+    p.add_argument("--buckets", type=_csv_ints, metavar="EDGES",
+                   help="bucket upper bounds to report by (default: the daemon's default)")
+    p.add_argument("--always-arm", type=int, metavar="K",
+                   help="the always-speculate arm to compare with (default: the arm SGLang "
+                   "starts with for the server's arm set, union[len/2])")
+    p.add_argument("--no-plots", action="store_true", help="skip the plots")
+    p.set_defaults(func=_cmd_report)
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    import time
+
+    from tuner.report import build_report, open_history, parse_since, write_report
+
+    now = time.time()
+    since = parse_since(args.since, now=now) if args.since else None
+    buckets = _buckets_arg(args.buckets)
+    with open_history(_history_url(args.db)) as storage:
+        report = build_report(storage, server=args.server, since=since, buckets=buckets,
+                              always=args.always_arm, now=now)
+    body, written = write_report(report, fmt=args.format, out=args.out,
+                                 plots=not args.no_plots)
+    if body is not None:
+        console.print(body, markup=False, emoji=False, highlight=False, soft_wrap=True, end="")
+    for path in written:
+        err_console.print(f"wrote {path}", markup=False)
+    return 0
+
+
+def _buckets_arg(edges: tuple[int, ...] | None) -> Buckets | None:  # noqa: F821 (lazy)
+    from policies import Buckets
+
+    if not edges:
+        return None
+    try:
+        return Buckets(edges)
+    except ValueError as exc:
+        raise ConfigError(f"--buckets: {exc}") from exc
+
+
+@_command
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    from pathlib import Path
+
+    from tuner.export import EXPORT_FORMATS, SOURCES
+
+    p = sub.add_parser(
+        "export",
+        help="write the learned table for stock SGLang (sglang-adaptive) or the plugin (dynspec)",
+        description=(
+            "Write one server's learned table. Where it comes from (--source): 'policy' = the "
+            "last table recorded for the server in the history (the last one it applied; the "
+            "last dry-run decision if nothing was applied); 'data' = re-derived now from the "
+            "stored observations, the best arm per bucket (a bucket without data takes its "
+            "nearest neighbour's); 'auto' (default) = 'policy' when a table was recorded, "
+            "else 'data'. Formats: 'sglang-adaptive' = JSON for SGLang's "
+            "--speculative-adaptive --speculative-adaptive-config FILE with one candidate step "
+            "per batch-size slot (slot key = the row's lower bound, applied after CUDA-graph "
+            "padding), so SGLang follows the table; SGLang pre-builds every arm in the file "
+            "(listed in it under \"_dynspec\"). 'dynspec' = the plugin's versioned policy "
+            "file (table + provenance), loaded at server start."
+        ),
+    )
+    p.add_argument("--db", metavar="URL",
+                   help="history database (default: DYNSPEC_DB, else sqlite:///dynspec.db)")
+    p.add_argument("--server", metavar="HOST:PORT",
+                   help="the server (may be omitted when the history holds only one)")
+    p.add_argument("--format", choices=EXPORT_FORMATS, required=True)
+    p.add_argument("--out", type=Path, metavar="FILE", required=True)
+    p.add_argument("--source", choices=SOURCES, default="auto",
+                   help="where the table comes from (see above; default auto)")
+    p.add_argument("--since", metavar="WHEN",
+                   help="with --source data: only observations of the last 1h/2d/... or since "
+                   "an ISO time")
+    p.add_argument("--buckets", type=_csv_ints, metavar="EDGES",
+                   help="with --source data: bucket upper bounds (default: the daemon's)")
+    p.set_defaults(func=_cmd_export)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    import time
+
+    from tuner.export import export
+    from tuner.protocol import format_table
+    from tuner.report import open_history, parse_since
+
+    now = time.time()
+    since = parse_since(args.since, now=now) if args.since else None
+    with open_history(_history_url(args.db)) as storage:
+        result = export(storage, fmt=args.format, out=args.out, server=args.server,
+                        source=args.source, since=since, buckets=_buckets_arg(args.buckets),
+                        now=now)
+    lt = result.learned
+    origin = f"policy v{lt.version} ({lt.policy})" if lt.source == "policy" else (
+        "the best arm per bucket in the stored observations")
+    console.print(f"wrote {result.path}: {lt.server} {format_table(lt.table)} from {origin}",
+                  markup=False, soft_wrap=True)
+    if args.format == "sglang-adaptive":
+        arms = sorted({k for _, k in lt.table})
+        console.print(
+            f"SGLang pre-builds arms {arms}: start it with --speculative-adaptive "
+            f"--speculative-adaptive-config {result.path}",
+            markup=False,
+            soft_wrap=True,
+        )
+    for warning in result.warnings:
+        err_console.print(f"warning: {warning}", markup=False, soft_wrap=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="dynspec-tuner",

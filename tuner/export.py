@@ -311,14 +311,23 @@ def export(
                 "decoding is cheaper than an adaptive config that only holds k=0"
             )
         warnings.extend(padding_crossings(learned.table))
-        body = json.dumps(sglang_adaptive_config(learned.table, meta=_meta(learned, now)),
-                          indent=2) + "\n"
-        _atomic_write(out, body.encode())
+        cfg = sglang_adaptive_config(learned.table, meta=_meta(learned, now))
+        _atomic_write(out, _dump_adaptive(cfg).encode())
     else:
         from tuner import policyfile  # the plugin's format: one implementation, theirs
 
         policyfile.save(out, _policy_file(learned, now))
     return ExportResult(path=out, learned=learned, warnings=tuple(warnings))
+
+
+def _dump_adaptive(cfg: dict[str, Any]) -> str:
+    """JSON with one line per slot and per meta field (a person reads this file)."""
+    lines = [f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in cfg.items() if k != _META_KEY]
+    meta = cfg.get(_META_KEY)
+    if meta is not None:
+        inner = ",\n".join(f"    {json.dumps(k)}: {json.dumps(v)}" for k, v in meta.items())
+        lines.append(f"  {json.dumps(_META_KEY)}: {{\n{inner}\n  }}")
+    return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
 def _meta(learned: LearnedTable, now: float) -> dict[str, Any]:
