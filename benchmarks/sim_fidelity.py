@@ -37,14 +37,26 @@ from tuner.sim.workloads import CLASSES, LengthDist, Phase, RequestClass, Worklo
 
 SHARED_TABLE = Path("/work/shared/calibration/h200-llama8b-bf16-ctx1024.jsonl")
 SEED_TARGETS = {"eagle3_1_request": 96.0, "eagle3_64_running": 354.0, "no_spec_64_running": 773.0}
-EAGLE3_SGLANG_ROW = {2: 1.81, 4: 1.82, 8: 1.62, 16: 1.48, 24: 1.39, 32: 1.32, 48: 1.38, 56: 1.34, 64: 1.38}
+EAGLE3_SGLANG_ROW = {
+    2: 1.81,
+    4: 1.82,
+    8: 1.62,
+    16: 1.48,
+    24: 1.39,
+    32: 1.32,
+    48: 1.38,
+    56: 1.34,
+    64: 1.38,
+}
 
 
 def _short_prompts(base: str = "chat") -> Workload:
     """The class's own outputs (requests come and go, so acceptance averages over many of
     them) with short prompts, so prefills take little time."""
     c = CLASSES[base]
-    cls = RequestClass(name=c.name, acceptance=c.acceptance, prompt=LengthDist(16, 0.0), output=c.output)
+    cls = RequestClass(
+        name=c.name, acceptance=c.acceptance, prompt=LengthDist(16, 0.0), output=c.output
+    )
     return Workload(name=f"{base}-short-prompts", phases=(Phase(1.0, ((1.0, cls),)),))
 
 
@@ -53,7 +65,12 @@ def _endless(base: str = "chat") -> Workload:
     batch stays at the closed loop's concurrency and (after the first prefill) every decode
     step is timed."""
     c = CLASSES[base]
-    cls = RequestClass(name=c.name, acceptance=c.acceptance, prompt=LengthDist(16, 0.0), output=LengthDist(10**7, 0.0, 1, 10**8))
+    cls = RequestClass(
+        name=c.name,
+        acceptance=c.acceptance,
+        prompt=LengthDist(16, 0.0),
+        output=LengthDist(10**7, 0.0, 1, 10**8),
+    )
     return Workload(name=f"{base}-endless", phases=(Phase(1.0, ((1.0, cls),)),))
 
 
@@ -64,7 +81,17 @@ def _goodput_at(core: PluginCore, b: int, k: int) -> tuple[float, int]:
     return (sum(r.emitted_tokens for r in rows) / busy if busy else float("nan")), steps
 
 
-def _run_closed(profile, workload, *, b: int, k: int, seconds: float, no_spec: bool = False, max_running=None, seed=0):
+def _run_closed(
+    profile,
+    workload,
+    *,
+    b: int,
+    k: int,
+    seconds: float,
+    no_spec: bool = False,
+    max_running=None,
+    seed=0,
+):
     arms = (0,) if no_spec else (0, 1, 3, 5)
     core = PluginCore(arms, started_at=0.0, default_arm=0 if no_spec else k)
     eng = Engine(
@@ -83,11 +110,17 @@ def _run_closed(profile, workload, *, b: int, k: int, seconds: float, no_spec: b
 
 def check_calibration(quick: bool) -> float:
     print("1. h200-llama8b: engine step time / calibration table composition")
-    text = SHARED_TABLE.read_text() if SHARED_TABLE.exists() else (
-        resources.files("tuner.sim").joinpath("profiles", "h200-llama8b.jsonl").read_text()
+    text = (
+        SHARED_TABLE.read_text()
+        if SHARED_TABLE.exists()
+        else (resources.files("tuner.sim").joinpath("profiles", "h200-llama8b.jsonl").read_text())
     )
     src = SHARED_TABLE if SHARED_TABLE.exists() else "the shipped copy"
-    raw = {(r["b"], r["q"]): (r["target_ms"], r["draft_ms"]) for r in map(json.loads, text.splitlines()) if r.get("kind") == "cost"}
+    raw = {
+        (r["b"], r["q"]): (r["target_ms"], r["draft_ms"])
+        for r in map(json.loads, text.splitlines())
+        if r.get("kind") == "cost"
+    }
     bs = sorted({b for b, _ in raw})
     qs = sorted({q for _, q in raw})
     ks = [q - 1 for q in qs if q >= 2 and (1 in qs)]
@@ -101,7 +134,14 @@ def check_calibration(quick: bool) -> float:
     for k in [0, *ks]:
         arms = tuple(sorted({0, k}))
         core = PluginCore(arms, started_at=0.0, default_arm=k)
-        eng = Engine(profile=prof, workload=wl, core=core, max_running=max(bs), seed=1, load=ClosedLoop([(0.5 if quick else 1.5, b) for b in bs]))
+        eng = Engine(
+            profile=prof,
+            workload=wl,
+            core=core,
+            max_running=max(bs),
+            seed=1,
+            load=ClosedLoop([(0.5 if quick else 1.5, b) for b in bs]),
+        )
         eng.run_until(len(bs) * (0.5 if quick else 1.5))
         for b in bs:
             t1, d1 = raw[(b, 1)]
@@ -119,7 +159,10 @@ def check_calibration(quick: bool) -> float:
         for k in [0, *ks]:
             worst = max(worst, abs(ratios[(b, k)] - 1))
             n += 1
-    print(f"   {n} measured points; worst |ratio - 1| = {worst:.2e} (target <= 1e-2): {'PASS' if worst <= 0.01 else 'FAIL'}")
+    print(
+        f"   {n} measured points; worst |ratio - 1| = {worst:.2e} (target <= 1e-2): "
+        + ("PASS" if worst <= 0.01 else "FAIL")
+    )
     return worst
 
 
@@ -151,12 +194,17 @@ def check_seed(quick: bool) -> float:
             f"   {name:20s} sim {g:7.1f}  target {target:6.1f}  ratio {r:6.3f}  "
             f"(oracle {analytic:6.1f}; end-to-end with prefills {e2e:6.1f}; {steps} timed steps)"
         )
-    print(f"   worst |ratio - 1| = {worst:.3f} (target <= 0.10): {'PASS' if worst <= 0.10 else 'FAIL'}")
+    print(
+        f"   worst |ratio - 1| = {worst:.3f} (target <= 0.10): "
+        + ("PASS" if worst <= 0.10 else "FAIL")
+    )
     return worst
 
 
 def check_h100(quick: bool) -> float:
-    print("3. h100-llama8b: EAGLE-3 / no-speculation throughput, SGLang Table 3 (chain 3, MT-bench)")
+    print(
+        "3. h100-llama8b: EAGLE-3 / no-speculation throughput, SGLang Table 3 (chain 3, MT-bench)"
+    )
     prof = load_profile("h100-llama8b")
     secs = 30.0 if quick else 120.0
     wl = _short_prompts()
@@ -164,12 +212,17 @@ def check_h100(quick: bool) -> float:
     print("   " + "bs".rjust(4) + "  sim    paper   ratio")
     for b, paper in EAGLE3_SGLANG_ROW.items():
         spec, _, _ = _run_closed(prof, wl, b=b, k=3, seconds=secs, max_running=64, seed=3)
-        base, _, _ = _run_closed(prof, wl, b=b, k=0, seconds=secs, max_running=64, no_spec=True, seed=3)
+        base, _, _ = _run_closed(
+            prof, wl, b=b, k=0, seconds=secs, max_running=64, no_spec=True, seed=3
+        )
         sim = spec / base
         r = sim / paper
         worst = max(worst, abs(r - 1))
         print(f"   {b:4d} {sim:5.2f}  {paper:5.2f}  {r:6.3f}")
-    print(f"   worst |ratio - 1| = {worst:.3f} (target <= 0.10): {'PASS' if worst <= 0.10 else 'FAIL'}")
+    print(
+        f"   worst |ratio - 1| = {worst:.3f} (target <= 0.10): "
+        + ("PASS" if worst <= 0.10 else "FAIL")
+    )
     return worst
 
 
@@ -178,7 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="shorter runs")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    results = [check_calibration(args.quick) <= 0.01, check_seed(args.quick) <= 0.10, check_h100(args.quick) <= 0.10]
+    results = [
+        check_calibration(args.quick) <= 0.01,
+        check_seed(args.quick) <= 0.10,
+        check_h100(args.quick) <= 0.10,
+    ]
     print(f"done in {time.perf_counter() - t0:.1f} s wall: {sum(results)}/3 checks pass")
     return 0 if all(results) else 1
 

@@ -55,18 +55,24 @@ def _run(cls: type[Engine], profile: str, hours: float, conc: int = 64) -> tuple
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--hours", type=float, default=1.0, help="virtual hours per profile (default 1)")
+    ap.add_argument(
+        "--hours", type=float, default=1.0, help="virtual hours per profile (default 1)"
+    )
     args = ap.parse_args(argv)
     ok = True
-    print(f"{'profile':16s} {'virtual':>8s} {'wall s':>8s} {'per hour':>9s} {'/budget':>8s} {'x real':>8s} {'decode steps':>13s} {'us/step':>8s}")
+    print(
+        f"{'profile':16s} {'virtual':>8s} {'wall s':>8s} {'per hour':>9s} {'/budget':>8s} "
+        f"{'x real':>8s} {'decode steps':>13s} {'us/step':>8s}"
+    )
     for name in list_profiles():
         wall, eng = _run(Engine, name, args.hours)
         per_hour = wall / args.hours
         steps = eng.counters.decode_steps + eng.counters.prefill_steps
         ok &= per_hour <= BUDGET_S_PER_HOUR
         print(
-            f"{name:16s} {args.hours:7.2f}h {wall:8.2f} {per_hour:8.2f}s {per_hour / BUDGET_S_PER_HOUR:8.3f} "
-            f"{args.hours * 3600 / wall:8.0f} {eng.counters.decode_steps:13d} {1e6 * wall / steps:8.1f}"
+            f"{name:16s} {args.hours:7.2f}h {wall:8.2f} {per_hour:8.2f}s "
+            f"{per_hour / BUDGET_S_PER_HOUR:8.3f} {args.hours * 3600 / wall:8.0f} "
+            f"{eng.counters.decode_steps:13d} {1e6 * wall / steps:8.1f}"
         )
     # Baseline in the same run: per-request Python acceptance draws, on the profile with the
     # most steps per hour, over a tenth of the time.
@@ -76,10 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     per_fast = fast_wall / (fast.counters.decode_steps + fast.counters.prefill_steps)
     per_slow = slow_wall / (slow.counters.decode_steps + slow.counters.prefill_steps)
     print(
-        f"baseline (per-request Python draws, h200-llama8b, {short:.2f}h): {1e6 * per_slow:.1f} us/step "
+        f"baseline (per-request Python draws, h200-llama8b, {short:.2f}h): "
+        f"{1e6 * per_slow:.1f} us/step "
         f"vs {1e6 * per_fast:.1f} us/step vectorised: x{per_slow / per_fast:.2f}"
     )
-    print("PASS" if ok else "FAIL", f"(target: <= {BUDGET_S_PER_HOUR:.0f} s wall per simulated hour of 64-way traffic)")
+    print(
+        "PASS" if ok else "FAIL",
+        f"(target: <= {BUDGET_S_PER_HOUR:.0f} s wall per simulated hour of 64-way traffic)",
+    )
     return 0 if ok else 1
 
 

@@ -43,8 +43,13 @@ def test_apply_update_switches_the_table():
         encode_update(((8, 5), (None, 1)), 0 + 1) | {"dynspec_protocol": 9},
         {"dynspec_version": 5},
         {"dynspec_protocol": 1, "dynspec_version": "x", "dynspec_rows": 1},
-        {"dynspec_protocol": 1, "dynspec_version": 5, "dynspec_rows": 1, "dynspec_r0_max_bs": {},
-         "dynspec_r0_k": 1},
+        {
+            "dynspec_protocol": 1,
+            "dynspec_version": 5,
+            "dynspec_rows": 1,
+            "dynspec_r0_max_bs": {},
+            "dynspec_r0_k": 1,
+        },
         None,
         [1, 2, 3],
         {("weird",): 1},
@@ -88,7 +93,13 @@ def test_busy_time_is_attributed_one_step_late_to_the_launched_arm():
     assert tel.rows() == ()  # duration unknown until the next launch
     tel.record(b=4, k=3, emitted=11, accepted=7, launch_ts=10.012, forward_iter=8)
     (row,) = tel.rows()
-    assert (row.b, row.k, row.decode_steps, row.emitted_tokens, row.accepted_drafts) == (4, 5, 1, 14, 10)
+    assert (row.b, row.k, row.decode_steps, row.emitted_tokens, row.accepted_drafts) == (
+        4,
+        5,
+        1,
+        14,
+        10,
+    )
     assert row.drafted_tokens == 20
     assert row.busy_s == pytest.approx(0.012)
     tel.record(b=5, k=3, emitted=9, accepted=4, launch_ts=10.020, forward_iter=9)

@@ -98,7 +98,7 @@ def test_lookup_bounds_are_inclusive():
 )
 def test_table_index_agrees_with_lookup(bounds, arms, b):
     bounds = sorted(bounds)
-    table = validate_table([*zip(bounds, arms), (None, arms[len(bounds)])], ARMS)
+    table = validate_table([*zip(bounds, arms, strict=False), (None, arms[len(bounds)])], ARMS)
     assert TableIndex(table)(b) == lookup(table, b)
 
 
@@ -227,7 +227,9 @@ def test_state_rules(over, rule):
         DynspecState.from_json(_state_json(**over))
 
 
-@pytest.mark.parametrize("field", ["protocol", "arms", "policy_version", "table", "counters", "started_at"])
+@pytest.mark.parametrize(
+    "field", ["protocol", "arms", "policy_version", "table", "counters", "started_at"]
+)
 def test_state_missing_field_is_named(field):
     obj = _state_json()
     del obj[field]

@@ -15,7 +15,9 @@ from tuner.sim.workloads import LengthDist, Phase, RequestClass, Workload
 ARMS = (0, 1, 3, 5)
 
 
-def _workload(alpha: float = 0.8, delta: float = 0.95, *, kappa: float = 20.0, out: int = 200) -> Workload:
+def _workload(
+    alpha: float = 0.8, delta: float = 0.95, *, kappa: float = 20.0, out: int = 200
+) -> Workload:
     cls = RequestClass(
         name="t",
         acceptance={"eagle3-dense": (alpha, delta), "kimi-eagle3": (alpha, delta)},
@@ -44,7 +46,9 @@ def test_sample_mean_of_emitted_tokens_matches_the_closed_form():
     eng = _engine(k=3, workload=_workload(0.8, 0.95, kappa=1e9), seed=7)
     eng.run_until(30.0)
     assert eng.counters.request_steps > 50_000
-    assert _emitted_per_request_step(eng) == pytest.approx(expected_emitted(0.8, 0.95, 3), rel=0.005)
+    assert _emitted_per_request_step(eng) == pytest.approx(
+        expected_emitted(0.8, 0.95, 3), rel=0.005
+    )
 
 
 def test_heterogeneous_acceptance_matches_the_request_step_expectation():
@@ -93,7 +97,11 @@ def test_running_cap_and_queue():
 
 
 def test_profile_that_cannot_cost_the_cap_is_refused_up_front():
-    small = TableProfile(rows=[(1, 1, 5.0, 0.3), (8, 1, 6.0, 0.3)] + [(b, q, 6.0, 0.3) for b in (1, 8) for q in (2, 4, 6)], name="small")
+    small = TableProfile(
+        rows=[(1, 1, 5.0, 0.3), (8, 1, 6.0, 0.3)]
+        + [(b, q, 6.0, 0.3) for b in (1, 8) for q in (2, 4, 6)],
+        name="small",
+    )
     # 9 requests would run in the bs=10 graph, beyond the table.
     with pytest.raises(ProfileRangeError, match="batch size 10 would be an extrapolation"):
         Engine(profile=small, workload="chat", max_running=10)
@@ -115,7 +123,9 @@ def test_tpot_of_a_lone_request_without_speculation_is_the_step_time():
 
 def test_k0_default_keeps_acceptance_skip_mode_pays_cold_recovery():
     def run(skip: bool) -> tuple[float, float]:
-        eng = _engine(k=0, conc=16, skip_zero_draft_extend=skip, workload=_workload(out=100_000), seed=5)
+        eng = _engine(
+            k=0, conc=16, skip_zero_draft_extend=skip, workload=_workload(out=100_000), seed=5
+        )
         eng.run_until(2.0)
         k0 = [r for r in eng.core.state().counters if r.k == 0]
         step0 = k0[0].busy_s / k0[0].decode_steps
@@ -154,7 +164,12 @@ class _SpyCore(PluginCore):
 
 def test_telemetry_records_step_n_after_launching_n_plus_1_with_its_launch_arm():
     core = _SpyCore()
-    eng = Engine(profile="h200-llama8b", workload=_workload(out=100_000), core=core, load=ClosedLoop([(1e9, 4)]))
+    eng = Engine(
+        profile="h200-llama8b",
+        workload=_workload(out=100_000),
+        core=core,
+        load=ClosedLoop([(1e9, 4)]),
+    )
     eng.run_until(0.5)
     assert core.apply_update(encode_update(((None, 1),), 1))[0]
     eng.run_until(1.0)
@@ -164,7 +179,7 @@ def test_telemetry_records_step_n_after_launching_n_plus_1_with_its_launch_arm()
     assert switch > 0 and all(e[1] == 5 for e in launches[:switch])
     # Every record carries the arm its step launched with, including the step in flight when
     # the table changed (recorded after the first k=1 launch).
-    assert [r[1] for r in records] == [l[1] for l in launches[: len(records)]]
+    assert [r[1] for r in records] == [e[1] for e in launches[: len(records)]]
     first_k1_launch = core.events.index(("launch", 1))
     assert core.events[first_k1_launch + 1][:2] == ("record", 5)
 

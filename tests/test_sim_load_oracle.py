@@ -90,7 +90,9 @@ def test_closed_loop_repeats():
 
 
 def test_poisson_arrivals():
-    eng = Engine(profile="h200-llama8b", workload="chat", load=Poisson(2.0, duration_s=100.0, seed=1))
+    eng = Engine(
+        profile="h200-llama8b", workload="chat", load=Poisson(2.0, duration_s=100.0, seed=1)
+    )
     eng.run_until(150.0)
     n = eng.counters.requests_submitted
     assert 200 - 4 * math.sqrt(200) < n < 200 + 4 * math.sqrt(200)
@@ -115,8 +117,14 @@ def test_trace_replay(tmp_path):
         ("time,x\n1,2\n", "needs a header with 'arrival_s'"),
         ("arrival_s\n", "no rows"),
         ("arrival_s,output_tokens\nsoon,3\n", r"t.csv:2: column 'arrival_s' is not a number"),
-        ("arrival_s,output_tokens\n1,0\n", r"t.csv:2: column 'output_tokens' must be an integer >= 1"),
-        ("arrival_s,output_tokens\n1,2\n-1,2\n", r"t.csv:3: column 'arrival_s' must be a finite number >= 0"),
+        (
+            "arrival_s,output_tokens\n1,0\n",
+            r"t.csv:2: column 'output_tokens' must be an integer >= 1",
+        ),
+        (
+            "arrival_s,output_tokens\n1,2\n-1,2\n",
+            r"t.csv:3: column 'arrival_s' must be a finite number >= 0",
+        ),
     ],
 )
 def test_bad_traces(tmp_path, text, message):
@@ -135,7 +143,12 @@ def test_workload_presets_and_shifts():
     assert chat.mix_at(0)[0][1].alpha_delta("kimi-eagle3") == (0.70, 1.0)
     assert get_workload("summarize").name == "summarise"
     shift = get_workload("shift")
-    assert [shift.mix_at(t)[0][1].name for t in (0, 700, 1300, 1900)] == ["chat", "code", "hard", "chat"]
+    assert [shift.mix_at(t)[0][1].name for t in (0, 700, 1300, 1900)] == [
+        "chat",
+        "code",
+        "hard",
+        "chat",
+    ]
     custom = get_workload("chat:10,hard:5")
     assert [custom.mix_at(t)[0][1].name for t in (9, 11, 16)] == ["chat", "hard", "chat"]
     with pytest.raises(ConfigError, match="unknown workload"):
@@ -181,7 +194,9 @@ def test_oracle_on_a_hand_made_profile():
     kw = dict(heterogeneous=False, graph_bs=())
     assert oracle_arm(prof, wl, 1, (0, 1, 3), **kw) == 3
     assert oracle_arm(prof, wl, 64, (0, 1, 3), **kw) == 0
-    assert expected_goodput(prof, wl, 1, 3, **kw) == pytest.approx((1 + 0.8 + 0.64 + 0.512) / 0.010)
+    assert expected_goodput(prof, wl, 1, 3, **kw) == pytest.approx(
+        (1 + 0.8 + 0.64 + 0.512) / 0.010
+    )
     assert expected_goodput(prof, wl, 64, 0, **kw) == pytest.approx(64 / 0.010)
     # Midway (b=32.5 interpolated): target(b,q) = 10 + (10q−10)(b−1)/63.
     table = oracle_table(prof, wl, (0, 1, 3), max_batch=64, **kw)

@@ -56,7 +56,9 @@ def test_step_composition_at_measured_points():
     prof = load_profile("h200-llama8b")
     t, d = prof.target_ms, prof.draft_ms
     # spec step = k·draft(b,1) + target(b,k+1) + draft(b,k+1)
-    assert prof.step_s(32, 3) * 1000 == pytest.approx(3 * d(32, 1) + t(32, 4) + d(32, 4), rel=1e-12)
+    assert prof.step_s(32, 3) * 1000 == pytest.approx(
+        3 * d(32, 1) + t(32, 4) + d(32, 4), rel=1e-12
+    )
     # k=0: SGLang still runs the one-token draft extend unless told to skip it
     assert prof.step_s(32, 0) * 1000 == pytest.approx(t(32, 1) + d(32, 1), rel=1e-12)
     assert prof.step_s(32, 0, skip_zero_draft_extend=True) * 1000 == pytest.approx(t(32, 1))
@@ -137,13 +139,22 @@ def test_a_user_written_parametric_profile(tmp_path):
         (["{not json"], r"bad.jsonl:1: not a JSON object"),
         ([[1, 2]], r"bad.jsonl:1: each line must be a JSON object"),
         ([{"b": 1, "q": 1, "target_ms": 1, "draft_ms": 1}], r"bad.jsonl:1: missing field 'kind'"),
-        ([{"kind": "cost", "q": 1, "target_ms": 1, "draft_ms": 1}], r"bad.jsonl:1: missing field 'b'"),
+        (
+            [{"kind": "cost", "q": 1, "target_ms": 1, "draft_ms": 1}],
+            r"bad.jsonl:1: missing field 'b'",
+        ),
         (
             [{"kind": "info"}, {"kind": "cost", "b": 1, "q": 1, "target_ms": -2, "draft_ms": 1}],
             r"bad.jsonl:2: field 'target_ms' must be > 0",
         ),
-        ([{"kind": "cost", "b": 1.5, "q": 1, "target_ms": 2, "draft_ms": 1}], r"field 'b' must be an integer"),
-        ([{"kind": "cost", "b": 1, "q": 1, "target_ms": "2", "draft_ms": 1}], r"field 'target_ms' must be a finite"),
+        (
+            [{"kind": "cost", "b": 1.5, "q": 1, "target_ms": 2, "draft_ms": 1}],
+            r"field 'b' must be an integer",
+        ),
+        (
+            [{"kind": "cost", "b": 1, "q": 1, "target_ms": "2", "draft_ms": 1}],
+            r"field 'target_ms' must be a finite",
+        ),
         ([{"kind": "info"}], "no cost rows"),
         ([{"kind": "cost", "b": 4, "q": 2, "target_ms": 2, "draft_ms": 1}], "b=4 has no q=1 row"),
         (
@@ -151,11 +162,17 @@ def test_a_user_written_parametric_profile(tmp_path):
             "duplicate cost row for b=1, q=1",
         ),
         (
-            [{"kind": "info", "max_running": 0}, {"kind": "cost", "b": 1, "q": 1, "target_ms": 2, "draft_ms": 1}],
+            [
+                {"kind": "info", "max_running": 0},
+                {"kind": "cost", "b": 1, "q": 1, "target_ms": 2, "draft_ms": 1},
+            ],
             "field 'max_running' must be an integer >= 1",
         ),
         (
-            [{"kind": "info", "acceptance": "vibes"}, {"kind": "cost", "b": 1, "q": 1, "target_ms": 2, "draft_ms": 1}],
+            [
+                {"kind": "info", "acceptance": "vibes"},
+                {"kind": "cost", "b": 1, "q": 1, "target_ms": 2, "draft_ms": 1},
+            ],
             "acceptance must be one of",
         ),
     ],
@@ -170,14 +187,64 @@ def test_bad_table_files_name_file_line_and_field(tmp_path, lines, message):
     "obj, message",
     [
         ({"t_w": 1.0}, "lacks field 't_o'"),
-        ({"t_o": 1, "t_w": 1, "c_f": 0, "kv_seq": 0, "d_o": 0, "e_o": 0, "v_o": 0, "d_n": 0, "e_n": 0,
-          "t_q": 3}, "unknown field 't_q'"),
-        ({"t_o": -1, "t_w": 1, "c_f": 0, "kv_seq": 0, "d_o": 0, "e_o": 0, "v_o": 0, "d_n": 0, "e_n": 0},
-         "field 't_o' must be a number >= 0"),
-        ({"t_o": "1", "t_w": 1, "c_f": 0, "kv_seq": 0, "d_o": 0, "e_o": 0, "v_o": 0, "d_n": 0, "e_n": 0},
-         "field 't_o' must be a number >= 0"),
-        ({"t_o": 1, "t_w": 1, "c_f": 0, "kv_seq": 0, "d_o": 0, "e_o": 0, "v_o": 0, "d_n": 0, "e_n": 0,
-          "expert_frac": 2}, "field 'expert_frac' must be in"),
+        (
+            {
+                "t_o": 1,
+                "t_w": 1,
+                "c_f": 0,
+                "kv_seq": 0,
+                "d_o": 0,
+                "e_o": 0,
+                "v_o": 0,
+                "d_n": 0,
+                "e_n": 0,
+                "t_q": 3,
+            },
+            "unknown field 't_q'",
+        ),
+        (
+            {
+                "t_o": -1,
+                "t_w": 1,
+                "c_f": 0,
+                "kv_seq": 0,
+                "d_o": 0,
+                "e_o": 0,
+                "v_o": 0,
+                "d_n": 0,
+                "e_n": 0,
+            },
+            "field 't_o' must be a number >= 0",
+        ),
+        (
+            {
+                "t_o": "1",
+                "t_w": 1,
+                "c_f": 0,
+                "kv_seq": 0,
+                "d_o": 0,
+                "e_o": 0,
+                "v_o": 0,
+                "d_n": 0,
+                "e_n": 0,
+            },
+            "field 't_o' must be a number >= 0",
+        ),
+        (
+            {
+                "t_o": 1,
+                "t_w": 1,
+                "c_f": 0,
+                "kv_seq": 0,
+                "d_o": 0,
+                "e_o": 0,
+                "v_o": 0,
+                "d_n": 0,
+                "e_n": 0,
+                "expert_frac": 2,
+            },
+            "field 'expert_frac' must be in",
+        ),
     ],
 )
 def test_bad_parametric_files(tmp_path, obj, message):

@@ -91,12 +91,16 @@ def test_numbers_as_strings_are_coerced_like_pydantic(client):
 
 
 def test_generate_and_completions_return_synthetic_tokens(client):
-    r = client.post("/generate", json={"text": "hello " * 40, "sampling_params": {"max_new_tokens": 20}})
+    r = client.post(
+        "/generate", json={"text": "hello " * 40, "sampling_params": {"max_new_tokens": 20}}
+    )
     assert r.status_code == 200
     meta = r.json()["meta_info"]
     assert meta["completion_tokens"] == 20 and meta["prompt_tokens"] == 60
     assert meta["e2e_latency"] > 0
-    batch = client.post("/generate", json={"text": ["a", "b"], "sampling_params": {"max_new_tokens": 3}})
+    batch = client.post(
+        "/generate", json={"text": ["a", "b"], "sampling_params": {"max_new_tokens": 3}}
+    )
     assert [x["meta_info"]["completion_tokens"] for x in batch.json()] == [3, 3]
     r = client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 7})
     assert r.json()["usage"]["completion_tokens"] == 7
@@ -107,7 +111,11 @@ def test_metrics_and_loads(server, client):
     client.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 50}})
     text = client.get("/metrics").text
     assert "# TYPE sglang:realtime_tokens_total counter" in text
-    line = next(l for l in text.splitlines() if l.startswith("sglang:realtime_tokens_total") and 'mode="decode"' in l)
+    line = next(
+        ln
+        for ln in text.splitlines()
+        if ln.startswith("sglang:realtime_tokens_total") and 'mode="decode"' in ln
+    )
     assert float(line.rsplit(" ", 1)[1]) > 0
     for name in ("sglang:num_running_reqs", "sglang:gen_throughput", "sglang:spec_accept_length"):
         assert f"\n{name}{{" in text
@@ -125,7 +133,9 @@ def test_unknown_routes_and_methods(client):
 
 def test_interceptors_wrap_every_request(server, client):
     server.interceptors.append(
-        lambda req, call_next: HttpResponse.error(503, "down") if req.path == "/server_info" else call_next(req)
+        lambda req, call_next: (
+            HttpResponse.error(503, "down") if req.path == "/server_info" else call_next(req)
+        )
     )
     assert client.get("/server_info").status_code == 503
     assert client.get("/health").status_code == 200
@@ -139,4 +149,6 @@ def test_restart_resets_counters_and_start_time(server, client):
     server.restart()
     after = _dynspec(client)
     assert after.policy_version == 0 and after.started_at >= before.started_at
-    assert sum(c.decode_steps for c in after.counters) < sum(c.decode_steps for c in before.counters)
+    assert sum(c.decode_steps for c in after.counters) < sum(
+        c.decode_steps for c in before.counters
+    )

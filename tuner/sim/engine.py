@@ -247,7 +247,11 @@ class Engine:
             core = PluginCore(arms, started_at=time.time() if started_at is None else started_at)
         self.core = core
         self.arms = core.arms
-        cap = max_running if max_running is not None else (self.profile.max_running or DEFAULT_MAX_RUNNING)
+        cap = (
+            max_running
+            if max_running is not None
+            else (self.profile.max_running or DEFAULT_MAX_RUNNING)
+        )
         if cap < 1:
             raise ValueError(f"max_running must be >= 1, got {cap}")
         if not 0.0 <= cold_factor <= 1.0:
@@ -259,11 +263,15 @@ class Engine:
         self.cold_factor = float(cold_factor)
         self.prefill_token_budget = int(prefill_token_budget)
         self.decode_log_interval = int(decode_log_interval)
-        self.graph_bs = cuda_graph_bs(graph_max_bs if graph_max_bs is not None else self.max_running)
+        self.graph_bs = cuda_graph_bs(
+            graph_max_bs if graph_max_bs is not None else self.max_running
+        )
         self._graph_max = self.graph_bs[-1] if self.graph_bs else 0
         # Padded size and step cost for every batch size and arm, computed once: this both
         # speeds the hot loop and refuses, up front, a profile that cannot cost the cap.
-        self._pad = [0] + [pad_batch_size(b, self.graph_bs) for b in range(1, self.max_running + 1)]
+        self._pad = [0] + [
+            pad_batch_size(b, self.graph_bs) for b in range(1, self.max_running + 1)
+        ]
         self._cost: dict[tuple[int, int], float] = {}
         for pb in set(self._pad[1:]):
             for k in self.arms:
@@ -483,7 +491,9 @@ class Engine:
         k = self.core.steps_for_batch(pb)
         dt = self._cost.get((pb, k))
         if dt is None:  # an arm outside the built set cannot come from a validated table
-            raise RuntimeError(f"table gave arm {k} not among built arms {self.arms} (b={n}, padded {pb})")
+            raise RuntimeError(
+                f"table gave arm {k} not among built arms {self.arms} (b={n}, padded {pb})"
+            )
         launch = self.now
         fi = self._forward_iter
         self._forward_iter = fi + 1
@@ -572,7 +582,7 @@ class Engine:
         keep[idx] = False
         m = int(keep.sum())
         done = [running[i] for i in idx.tolist()]
-        running[:] = [r for r, kp in zip(running, keep.tolist()) if kp]
+        running[:] = [r for r, kp in zip(running, keep.tolist(), strict=True) if kp]
         self._rem[:m] = self._rem[:n][keep]
         self._surv[:m] = self._surv[:n][keep]
         self._cold[:m] = self._cold[:n][keep]
@@ -611,4 +621,3 @@ class Engine:
             "requests_finished": c.requests_finished,
             "avg_spec_accept_length": c.avg_spec_accept_length,
         }
-

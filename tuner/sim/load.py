@@ -50,17 +50,17 @@ INF = math.inf
 class Load(abc.ABC):
     """Something that submits requests to an engine over virtual time."""
 
-    def start(self, engine: Engine) -> None:
+    def start(self, engine: Engine) -> None:  # noqa: B027 - optional hook
         """Called once when attached, at ``engine.now``."""
 
     @abc.abstractmethod
     def next_time(self) -> float:
         """Virtual time of the next action, ``inf`` when there is none."""
 
-    def fire(self, engine: Engine) -> None:
+    def fire(self, engine: Engine) -> None:  # noqa: B027 - optional hook
         """Act at ``engine.now`` (>= :meth:`next_time`)."""
 
-    def on_finish(self, engine: Engine, request: Request) -> None:
+    def on_finish(self, engine: Engine, request: Request) -> None:  # noqa: B027 - optional hook
         """One of this load's requests finished."""
 
 
@@ -84,7 +84,9 @@ class ClosedLoop(Load):
             raise ConfigError("a closed-loop schedule needs at least one phase")
         for d, c in phases:
             if not (d > 0 and math.isfinite(d)) or c < 0 or int(c) != c:
-                raise ConfigError(f"bad phase {d}:{c} (duration > 0 s, concurrency an integer >= 0)")
+                raise ConfigError(
+                    f"bad phase {d}:{c} (duration > 0 s, concurrency an integer >= 0)"
+                )
         self.phases = tuple((float(d), int(c)) for d, c in phases)
         self.repeat = repeat
         self.in_flight = 0

@@ -287,7 +287,9 @@ def table_goodput(
         em = workload_emitted(
             workload, profile.acceptance, k, t=t, heterogeneous=heterogeneous, weighting=weighting
         )
-        total += w * b * em / profile.step_s(padded, k, skip_zero_draft_extend=skip_zero_draft_extend)
+        total += (
+            w * b * em / profile.step_s(padded, k, skip_zero_draft_extend=skip_zero_draft_extend)
+        )
         weight += w
     return total / weight
 

@@ -164,13 +164,15 @@ class TableProfile(CostProfile):
         prefill_ms_per_token: float | None = None,
     ) -> None:
         if extrapolate not in EXTRAPOLATE_MODES:
-            raise ConfigError(f"extrapolate must be one of {EXTRAPOLATE_MODES}, got {extrapolate!r}")
+            raise ConfigError(
+                f"extrapolate must be one of {EXTRAPOLATE_MODES}, got {extrapolate!r}"
+            )
         if acceptance not in ACCEPTANCE_FAMILIES:
             raise ConfigError(
                 f"{source}: acceptance must be one of {ACCEPTANCE_FAMILIES}, got {acceptance!r}"
             )
         if not rows:
-            raise ConfigError(f"{source}: no cost rows (kind \"cost\")")
+            raise ConfigError(f'{source}: no cost rows (kind "cost")')
         self.name = name
         self.description = description
         self.acceptance = acceptance
@@ -200,7 +202,11 @@ class TableProfile(CostProfile):
             # Marginal cost per token of the largest measured forward: prefill is compute
             # bound like a wide verify forward, and the table has nothing closer.
             big = max(
-                ((r.b * q, r.target_ms[i] + r.draft_ms[i]) for r in self._rows for i, q in enumerate(r.q)),
+                (
+                    (r.b * q, r.target_ms[i] + r.draft_ms[i])
+                    for r in self._rows
+                    for i, q in enumerate(r.q)
+                ),
             )
             small = self._rows[0].target_ms[0] + self._rows[0].draft_ms[0]
             tokens = big[0] - self._rows[0].b
@@ -229,7 +235,8 @@ class TableProfile(CostProfile):
                 raise ProfileRangeError(
                     f"profile {self.name!r} ({self.source}) measured batch sizes "
                     f"{bs[0]}..{bs[-1]}; batch size {b} would be an extrapolation "
-                    "(allow extrapolation: --extrapolate clamp|linear, or extrapolate= in load_profile; "
+                    "(allow extrapolation: --extrapolate clamp|linear, or extrapolate= in "
+                    "load_profile; "
                     "or lower the running-request cap)"
                 )
         i = bisect_left(bs, b)
@@ -339,19 +346,33 @@ class ParametricProfile(CostProfile):
             if f.name in ("name", "description", "acceptance", "max_running", "source", "_cache"):
                 continue
             v = getattr(self, f.name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise ConfigError(f"{self.source}: field {f.name!r} must be a number >= 0, got {v!r}")
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, (int, float))
+                or not math.isfinite(v)
+                or v < 0
+            ):
+                raise ConfigError(
+                    f"{self.source}: field {f.name!r} must be a number >= 0, got {v!r}"
+                )
         if self.expert_frac > 1:
-            raise ConfigError(f"{self.source}: field 'expert_frac' must be in [0, 1], got {self.expert_frac}")
+            raise ConfigError(
+                f"{self.source}: field 'expert_frac' must be in [0, 1], got {self.expert_frac}"
+            )
         if self.acceptance not in ACCEPTANCE_FAMILIES:
             raise ConfigError(
                 f"{self.source}: field 'acceptance' must be one of {ACCEPTANCE_FAMILIES}, "
                 f"got {self.acceptance!r}"
             )
         if self.max_running is not None and (
-            isinstance(self.max_running, bool) or not isinstance(self.max_running, int) or self.max_running < 1
+            isinstance(self.max_running, bool)
+            or not isinstance(self.max_running, int)
+            or self.max_running < 1
         ):
-            raise ConfigError(f"{self.source}: field 'max_running' must be an integer >= 1, got {self.max_running!r}")
+            raise ConfigError(
+                f"{self.source}: field 'max_running' must be an integer >= 1, "
+                f"got {self.max_running!r}"
+            )
 
     def _fwd_ms(self, n_tokens: float, b: float, *, verify: bool) -> float:
         cov = 1.0 - (1.0 - self.expert_frac) ** n_tokens if self.expert_frac > 0 else 0.0
@@ -394,7 +415,11 @@ class ParametricProfile(CostProfile):
         ms = (
             self.t_o
             + self.t_w
-            + (self.t_e * (1.0 - (1.0 - self.expert_frac) ** tokens) if self.expert_frac > 0 else 0.0)
+            + (
+                self.t_e * (1.0 - (1.0 - self.expert_frac) ** tokens)
+                if self.expert_frac > 0
+                else 0.0
+            )
             + self.c_f * tokens
             + self.e_o
             + self.e_n * tokens
@@ -402,9 +427,7 @@ class ParametricProfile(CostProfile):
         return ms / 1000.0
 
 
-_PARAM_FIELDS = {
-    f.name for f in fields(ParametricProfile) if f.name not in ("source", "_cache")
-}
+_PARAM_FIELDS = {f.name for f in fields(ParametricProfile) if f.name not in ("source", "_cache")}
 
 
 # --- loading --------------------------------------------------------------------------------
@@ -431,11 +454,14 @@ def load_profile(spec: str | Path, *, extrapolate: str = "refuse") -> CostProfil
     if spec_s in _SHIPPED:
         res = resources.files("tuner.sim").joinpath("profiles", _SHIPPED[spec_s])
         text = res.read_text(encoding="utf-8")
-        return _parse(text, source=f"builtin:{spec_s}", default_name=spec_s, extrapolate=extrapolate)
+        return _parse(
+            text, source=f"builtin:{spec_s}", default_name=spec_s, extrapolate=extrapolate
+        )
     path = Path(spec_s)
     if not path.exists():
         raise ConfigError(
-            f"unknown profile {spec_s!r}: not a shipped profile ({', '.join(_SHIPPED)}) and no such file"
+            f"unknown profile {spec_s!r}: not a shipped profile ({', '.join(_SHIPPED)}) "
+            "and no such file"
         )
     try:
         text = path.read_text(encoding="utf-8")
@@ -491,7 +517,9 @@ def _num(
             raise ConfigError(f"{where}: field {key!r} must be an integer >= 1, got {v!r}")
         return int(v)
     if v < 0 or (v == 0 and not zero_ok):
-        raise ConfigError(f"{where}: field {key!r} must be {'>=' if zero_ok else '>'} 0, got {v!r}")
+        raise ConfigError(
+            f"{where}: field {key!r} must be {'>=' if zero_ok else '>'} 0, got {v!r}"
+        )
     return float(v)
 
 
@@ -507,7 +535,9 @@ def _table(text: str, *, source: str, default_name: str, extrapolate: str) -> Ta
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{where}: not a JSON object: {exc.msg}") from exc
         if not isinstance(row, dict):
-            raise ConfigError(f"{where}: each line must be a JSON object, got {type(row).__name__}")
+            raise ConfigError(
+                f"{where}: each line must be a JSON object, got {type(row).__name__}"
+            )
         kind = row.get("kind")
         if kind == "info":
             info.update(row)
@@ -521,7 +551,7 @@ def _table(text: str, *, source: str, default_name: str, extrapolate: str) -> Ta
                 )
             )
         elif kind is None:
-            raise ConfigError(f"{where}: missing field 'kind' (\"cost\" or \"info\")")
+            raise ConfigError(f'{where}: missing field \'kind\' ("cost" or "info")')
         # Other kinds are left for future writers of the format and ignored here.
     max_running = info.get("max_running")
     if max_running is not None:

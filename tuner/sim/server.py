@@ -223,7 +223,10 @@ class SimServer:
         self._anchor_real = self._clock()
         self._anchor_virtual = self.engine.now
         t_http = threading.Thread(
-            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, name="sim-http", daemon=True
+            target=self._httpd.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name="sim-http",
+            daemon=True,
         )
         t_drive = threading.Thread(target=self._drive, name="sim-engine", daemon=True)
         self._threads = [t_http, t_drive]
@@ -414,7 +417,10 @@ class SimServer:
         valid = {"core", "memory", "spec", "lora", "disagg", "queues", "all"}
         if sections is not None and not sections <= valid:
             return HttpResponse.json(
-                {"detail": f"Invalid include sections: {sections - valid}. Valid options: {sorted(valid)}"},
+                {
+                    "detail": f"Invalid include sections: {sections - valid}. "
+                    f"Valid options: {sorted(valid)}"
+                },
                 400,
             )
         with self.lock:
@@ -442,7 +448,12 @@ class SimServer:
                         "accept_rate": c.gauges["spec_accept_rate"],
                     }
                 if sections is None or "all" in sections or "queues" in sections:
-                    d["queues"] = {"waiting": eng.num_waiting, "grammar": 0, "paused": 0, "retracted": 0}
+                    d["queues"] = {
+                        "waiting": eng.num_waiting,
+                        "grammar": 0,
+                        "paused": 0,
+                        "retracted": 0,
+                    }
                 loads.append(d)
         return HttpResponse.json(
             {
@@ -563,7 +574,15 @@ def _json_body(req: HttpRequest) -> Any:
         return json.loads(req.body or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         return HttpResponse.json(
-            {"detail": [{"type": "json_invalid", "loc": ["body", 0], "msg": f"JSON decode error: {exc}"}]},
+            {
+                "detail": [
+                    {
+                        "type": "json_invalid",
+                        "loc": ["body", 0],
+                        "msg": f"JSON decode error: {exc}",
+                    }
+                ]
+            },
             422,
         )
 
@@ -581,12 +600,20 @@ def _validate_set_internal_state(body: Any) -> dict[str, Any] | None:
     """Pydantic's verdict on ``SetInternalStateReq(server_args: Dict[str, Union[int, float]])``,
     as an error item, or None when valid."""
     if not isinstance(body, dict):
-        return {"type": "model_attributes_type", "loc": ["body"], "msg": "Input should be a valid dictionary"}
+        return {
+            "type": "model_attributes_type",
+            "loc": ["body"],
+            "msg": "Input should be a valid dictionary",
+        }
     if "server_args" not in body:
         return {"type": "missing", "loc": ["body", "server_args"], "msg": "Field required"}
     args = body["server_args"]
     if not isinstance(args, dict):
-        return {"type": "dict_type", "loc": ["body", "server_args"], "msg": "Input should be a valid dictionary"}
+        return {
+            "type": "dict_type",
+            "loc": ["body", "server_args"],
+            "msg": "Input should be a valid dictionary",
+        }
     for k, v in args.items():
         loc = ["body", "server_args", k]
         if isinstance(v, bool) or (isinstance(v, (int, float)) and math.isfinite(v)):
@@ -649,13 +676,48 @@ def _prometheus(server: SimServer) -> str:
             lines.append(f"{name}{{{lab}}} {float(value)!r}")
 
     g = c.gauges
-    metric("sglang:num_running_reqs", "gauge", "The number of running requests.", [("", g["num_running_reqs"])])
-    metric("sglang:num_queue_reqs", "gauge", "The number of requests in the waiting queue.", [("", g["num_queue_reqs"])])
-    metric("sglang:gen_throughput", "gauge", "The generation throughput (token/s).", [("", g["gen_throughput"])])
-    metric("sglang:spec_accept_length", "gauge", "The average acceptance length of speculative decoding.", [("", g["spec_accept_length"])])
-    metric("sglang:spec_accept_rate", "gauge", "The average acceptance rate of speculative decoding.", [("", g["spec_accept_rate"])])
-    metric("sglang:spec_num_steps", "gauge", "The number of speculative steps.", [("", g["spec_num_steps"])])
-    metric("sglang:spec_num_draft_tokens", "gauge", "The number of speculative draft tokens.", [("", g["spec_num_steps"] + 1)])
+    metric(
+        "sglang:num_running_reqs",
+        "gauge",
+        "The number of running requests.",
+        [("", g["num_running_reqs"])],
+    )
+    metric(
+        "sglang:num_queue_reqs",
+        "gauge",
+        "The number of requests in the waiting queue.",
+        [("", g["num_queue_reqs"])],
+    )
+    metric(
+        "sglang:gen_throughput",
+        "gauge",
+        "The generation throughput (token/s).",
+        [("", g["gen_throughput"])],
+    )
+    metric(
+        "sglang:spec_accept_length",
+        "gauge",
+        "The average acceptance length of speculative decoding.",
+        [("", g["spec_accept_length"])],
+    )
+    metric(
+        "sglang:spec_accept_rate",
+        "gauge",
+        "The average acceptance rate of speculative decoding.",
+        [("", g["spec_accept_rate"])],
+    )
+    metric(
+        "sglang:spec_num_steps",
+        "gauge",
+        "The number of speculative steps.",
+        [("", g["spec_num_steps"])],
+    )
+    metric(
+        "sglang:spec_num_draft_tokens",
+        "gauge",
+        "The number of speculative draft tokens.",
+        [("", g["spec_num_steps"] + 1)],
+    )
     metric("sglang:token_usage", "gauge", "The token usage.", [("", 0.0)])
     metric(
         "sglang:realtime_tokens_total",
@@ -669,10 +731,30 @@ def _prometheus(server: SimServer) -> str:
         "Forward passes by CUDA graph usage.",
         [('mode="decode_cuda_graph"', c.graph_passes), ('mode="decode_none"', c.eager_passes)],
     )
-    metric("sglang:generation_tokens_total", "counter", "Number of generation tokens processed.", [("", c.generation_tokens)])
-    metric("sglang:prompt_tokens_total", "counter", "Number of prefill tokens processed.", [("", c.prefill_tokens)])
-    metric("sglang:num_requests_total", "counter", "Number of requests processed.", [("", c.requests_finished)])
-    metric("sglang:spec_verify_calls_total", "counter", "Number of speculative verify calls.", [("", c.request_steps)])
+    metric(
+        "sglang:generation_tokens_total",
+        "counter",
+        "Number of generation tokens processed.",
+        [("", c.generation_tokens)],
+    )
+    metric(
+        "sglang:prompt_tokens_total",
+        "counter",
+        "Number of prefill tokens processed.",
+        [("", c.prefill_tokens)],
+    )
+    metric(
+        "sglang:num_requests_total",
+        "counter",
+        "Number of requests processed.",
+        [("", c.requests_finished)],
+    )
+    metric(
+        "sglang:spec_verify_calls_total",
+        "counter",
+        "Number of speculative verify calls.",
+        [("", c.request_steps)],
+    )
     return "\n".join(lines) + "\n"
 
 

@@ -140,7 +140,7 @@ class Workload:
         if len(self.phases) == 1:
             return self.phases[0]
         t = t % self.period_s
-        for end, phase in zip(self._cum, self.phases):
+        for end, phase in zip(self._cum, self.phases, strict=True):
             if t < end:
                 return phase
         return self.phases[-1]
@@ -166,7 +166,9 @@ class Workload:
 _DENSE_DELTA = 0.973  # anchors §3.3, fitted to vLLM's EAGLE-3 chain sweep
 
 
-def _cls(name: str, dense: float, kimi: float, prompt: LengthDist, output: LengthDist) -> RequestClass:
+def _cls(
+    name: str, dense: float, kimi: float, prompt: LengthDist, output: LengthDist
+) -> RequestClass:
     return RequestClass(
         name=name,
         acceptance={"eagle3-dense": (dense, _DENSE_DELTA), "kimi-eagle3": (kimi, 1.0)},
@@ -178,12 +180,18 @@ def _cls(name: str, dense: float, kimi: float, prompt: LengthDist, output: Lengt
 # α presets: anchors §3.3. Length distributions are illustrative [I]: chat is MT-bench-like,
 # summarisation reads a lot and writes little, "hard" is reasoning-style (short in, long out).
 CLASSES: dict[str, RequestClass] = {
-    "chat": _cls("chat", 0.775, 0.70, LengthDist(512, 0.8, 16, 8192), LengthDist(256, 0.7, 8, 4096)),
-    "code": _cls("code", 0.80, 0.75, LengthDist(1024, 0.8, 16, 16384), LengthDist(384, 0.7, 8, 4096)),
+    "chat": _cls(
+        "chat", 0.775, 0.70, LengthDist(512, 0.8, 16, 8192), LengthDist(256, 0.7, 8, 4096)
+    ),
+    "code": _cls(
+        "code", 0.80, 0.75, LengthDist(1024, 0.8, 16, 16384), LengthDist(384, 0.7, 8, 4096)
+    ),
     "summarise": _cls(
         "summarise", 0.74, 0.66, LengthDist(2048, 0.6, 64, 16384), LengthDist(192, 0.5, 8, 2048)
     ),
-    "hard": _cls("hard", 0.60, 0.55, LengthDist(256, 0.8, 16, 8192), LengthDist(1024, 0.6, 16, 8192)),
+    "hard": _cls(
+        "hard", 0.60, 0.55, LengthDist(256, 0.8, 16, 8192), LengthDist(1024, 0.6, 16, 8192)
+    ),
 }
 _ALIASES = {"summarize": "summarise", "summarization": "summarise", "summarisation": "summarise"}
 
