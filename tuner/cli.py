@@ -288,7 +288,10 @@ def _add_sim(sub: argparse._SubParsersAction) -> None:
         "--profile",
         default="h200-llama8b",
         metavar="NAME|FILE",
-        help=f"cost profile: {', '.join(list_profiles())}, or a .jsonl cost table / parametric .json",
+        help=(
+            f"cost profile: {', '.join(list_profiles())}, or a .jsonl cost table / "
+            "parametric .json"
+        ),
     )
     p.add_argument(
         "--workload",
@@ -306,10 +309,21 @@ def _add_sim(sub: argparse._SubParsersAction) -> None:
             f"(default {DEFAULT_SIM_LOAD})"
         ),
     )
-    p.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST})")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"0 = any free port (default {DEFAULT_PORT})")
     p.add_argument(
-        "--speed", type=float, default=1.0, metavar="X", help="virtual seconds per real second (default 1)"
+        "--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST})"
+    )
+    p.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_PORT,
+        help=f"0 = any free port (default {DEFAULT_PORT})",
+    )
+    p.add_argument(
+        "--speed",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="virtual seconds per real second (default 1)",
     )
     p.add_argument(
         "--max-running",
@@ -327,7 +341,10 @@ def _add_sim(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--skip-zero-draft-extend",
         action="store_true",
-        help="model SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1 (k=0 skips the draft extend; cold recovery after)",
+        help=(
+            "model SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1 (k=0 skips the draft extend; "
+            "cold recovery after)"
+        ),
     )
     p.add_argument(
         "--extrapolate",
