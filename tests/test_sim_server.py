@@ -102,6 +102,22 @@ def test_generate_and_completions_return_synthetic_tokens(client):
         "/generate", json={"text": ["a", "b"], "sampling_params": {"max_new_tokens": 3}}
     )
     assert [x["meta_info"]["completion_tokens"] for x in batch.json()] == [3, 3]
+    assert (
+        client.post(
+            "/generate", json={"text": "a", "sampling_params": {"max_new_tokens": 0}}
+        ).status_code
+        == 400
+    )
+    assert (
+        client.post(
+            "/generate", json={"text": "a", "sampling_params": {"max_new_tokens": "x"}}
+        ).status_code
+        == 422
+    )
+    assert (
+        client.post("/v1/completions", json={"prompt": "a", "max_tokens": 10**9}).status_code
+        == 400
+    )
     r = client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 7})
     assert r.json()["usage"]["completion_tokens"] == 7
     assert r.json()["choices"][0]["finish_reason"] == "length"
@@ -152,3 +168,15 @@ def test_restart_resets_counters_and_start_time(server, client):
     assert sum(c.decode_steps for c in after.counters) < sum(
         c.decode_steps for c in before.counters
     )
+
+
+def test_a_bad_content_length_is_refused_and_the_server_lives_on(server, client):
+    import socket
+
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: lots\r\n\r\n")
+        assert b" 400 " in sock.recv(64)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999\r\n\r\n")
+        assert b" 413 " in sock.recv(64)
+    assert client.get("/health").status_code == 200

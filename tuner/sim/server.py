@@ -25,7 +25,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -66,6 +66,10 @@ _MAX_CHUNK_REAL_S = 0.02
 _MAX_SLEEP_S = 0.05
 _MIN_SLEEP_S = 0.001
 _GENERATE_TIMEOUT_S = 3600.0
+# Limits that keep a hostile or mistaken request from tying the server up.
+MAX_NEW_TOKENS = 131072
+MAX_BATCH_PROMPTS = 1024
+MAX_BODY_BYTES = 16 * 2**20
 
 
 @dataclass
@@ -468,22 +472,48 @@ class SimServer:
     # --- generation -------------------------------------------------------------------------
 
     def submit_and_wait(
-        self, *, prompt_tokens: int, max_new_tokens: int, timeout_s: float = _GENERATE_TIMEOUT_S
-    ) -> Request | None:
-        """Queue one request and block until the engine finished it (None on stop/timeout)."""
+        self,
+        *,
+        prompt_tokens: Sequence[int],
+        max_new_tokens: int,
+        timeout_s: float = _GENERATE_TIMEOUT_S,
+    ) -> list[Request] | None:
+        """Queue requests together (one per prompt length) and block until the engine
+        finished all of them; None when the server stops or ``timeout_s`` (real) passes."""
+        pending = len(prompt_tokens)
         done = threading.Event()
+        count = threading.Lock()
+
+        def finished(_r: Request) -> None:
+            nonlocal pending
+            with count:
+                pending -= 1
+                if pending == 0:
+                    done.set()
+
         with self.lock:
-            r = self.engine.submit(
-                prompt_tokens=max(prompt_tokens, 1),
-                output_tokens=max(max_new_tokens, 1),
-                on_finish=lambda _r: done.set(),
-            )
-        deadline = self._clock() + timeout_s
-        while not done.is_set():
-            if self._stop.is_set() or self._clock() > deadline:
+            reqs = [
+                self.engine.submit(
+                    prompt_tokens=max(p, 1),
+                    output_tokens=max(max_new_tokens, 1),
+                    on_finish=finished,
+                )
+                for p in prompt_tokens
+            ]
+        deadline = time.monotonic() + timeout_s
+        while not done.wait(0.05):
+            if self._stop.is_set() or time.monotonic() > deadline:
                 return None
-            done.wait(0.05)
-        return r
+        return reqs
+
+    def _max_new(self, value: Any, name: str) -> int | HttpResponse:
+        try:
+            n = int(value)
+        except (TypeError, ValueError):
+            return HttpResponse.json({"detail": f"{name} must be an integer"}, 422)
+        if not 1 <= n <= MAX_NEW_TOKENS:
+            return HttpResponse.error(400, f"{name} must be in 1..{MAX_NEW_TOKENS}, got {n}")
+        return n
 
     def _generate(self, req: HttpRequest) -> HttpResponse:
         body = _json_body(req)
@@ -498,22 +528,24 @@ class SimServer:
         sp = body.get("sampling_params") or {}
         if not isinstance(sp, dict):
             return HttpResponse.json({"detail": "sampling_params must be an object"}, 422)
-        try:
-            max_new = int(sp.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
-        except (TypeError, ValueError):
-            return HttpResponse.json({"detail": "max_new_tokens must be an integer"}, 422)
-        outs = []
-        for item in items:
-            r = self.submit_and_wait(prompt_tokens=_prompt_tokens(item), max_new_tokens=max_new)
-            if r is None:
-                return HttpResponse.error(503, "server is shutting down")
-            outs.append(
-                {
-                    "text": _synthetic_text(r.output_tokens),
-                    "output_ids": [0] * r.output_tokens,
-                    "meta_info": _meta_info(r),
-                }
-            )
+        max_new = self._max_new(sp.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS), "max_new_tokens")
+        if isinstance(max_new, HttpResponse):
+            return max_new
+        if not items or len(items) > MAX_BATCH_PROMPTS:
+            return HttpResponse.error(400, f"a batch holds 1..{MAX_BATCH_PROMPTS} prompts")
+        reqs = self.submit_and_wait(
+            prompt_tokens=[_prompt_tokens(item) for item in items], max_new_tokens=max_new
+        )
+        if reqs is None:
+            return HttpResponse.error(503, "server is shutting down")
+        outs = [
+            {
+                "text": _synthetic_text(r.output_tokens),
+                "output_ids": [0] * r.output_tokens,
+                "meta_info": _meta_info(r),
+            }
+            for r in reqs
+        ]
         payload: Any = outs if batch else outs[0]
         if body.get("stream"):
             chunks = "".join(f"data: {json.dumps(o)}\n\n" for o in outs) + "data: [DONE]\n\n"
@@ -527,13 +559,13 @@ class SimServer:
         if not isinstance(body, dict) or "prompt" not in body:
             return HttpResponse.json({"detail": "body must be an object with 'prompt'"}, 422)
         prompt = body["prompt"]
-        try:
-            max_new = int(body.get("max_tokens") or 16)
-        except (TypeError, ValueError):
-            return HttpResponse.json({"detail": "max_tokens must be an integer"}, 422)
-        r = self.submit_and_wait(prompt_tokens=_prompt_tokens(prompt), max_new_tokens=max_new)
-        if r is None:
+        max_new = self._max_new(body.get("max_tokens") or 16, "max_tokens")
+        if isinstance(max_new, HttpResponse):
+            return max_new
+        reqs = self.submit_and_wait(prompt_tokens=[_prompt_tokens(prompt)], max_new_tokens=max_new)
+        if reqs is None:
             return HttpResponse.error(503, "server is shutting down")
+        (r,) = reqs
         return HttpResponse.json(
             {
                 "id": f"cmpl-{r.rid}",
@@ -765,7 +797,13 @@ def _make_handler(server: SimServer) -> type[BaseHTTPRequestHandler]:
 
         def _handle(self) -> None:
             parts = urlsplit(self.path)
-            length = int(self.headers.get("Content-Length") or 0)
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                length = -1
+            if not 0 <= length <= MAX_BODY_BYTES:
+                self.send_error(413 if length > MAX_BODY_BYTES else 400, "bad Content-Length")
+                return
             body = self.rfile.read(length) if length > 0 else b""
             req = HttpRequest(
                 method=self.command,
