@@ -311,3 +311,60 @@ def test_cli_report_text_json_and_errors(history: str, tmp_path: Path, capsys) -
     assert "no such file" in capsys.readouterr().err
     assert main(["report", "--db", history, "--server", "nobody:1"]) == 2
     assert main(["report", "--db", history, "--since", "last tuesday"]) == 2
+
+
+def check_against_rows(report_server, rows, buckets: Buckets) -> None:
+    """Recompute every per-bucket, per-arm figure from the raw rows, row by row."""
+    assert report_server.observations == len(rows)
+    for bk in report_server.buckets:
+        inb = [r for r in rows if buckets.index(r.b) == bk.index]
+        assert {a.arm for a in bk.arms} == {r.k for r in inb}
+        if not inb:
+            continue
+        b_ref = sum(r.b * r.decode_steps for r in inb) / sum(r.decode_steps for r in inb)
+        assert bk.b_ref == pytest.approx(b_ref)
+        for a in bk.arms:
+            mine = [r for r in inb if r.k == a.arm]
+            e = sum(r.emitted_tokens for r in mine)
+            y = sum(r.b * r.busy_s for r in mine)
+            assert a.intervals == len(mine)
+            assert a.decode_steps == sum(r.decode_steps for r in mine)
+            assert a.goodput == pytest.approx(e / y * b_ref)
+            assert a.raw_goodput == pytest.approx(e / sum(r.busy_s for r in mine))
+            if len(mine) >= 2:
+                rate = e / y
+                ss = sum((r.emitted_tokens - rate * r.b * r.busy_s) ** 2 for r in mine)
+                n = len(mine)
+                half = _t(n - 1) * math.sqrt(ss * n / ((n - 1) * y * y)) * b_ref
+                assert a.ci_high - a.goodput == pytest.approx(half, rel=1e-6,
+                                                              abs=1e-6 * a.goodput)
+        if bk.best is not None:
+            assert bk.arm(bk.best).goodput == max(a.goodput for a in bk.arms)
+
+
+@pytest.fixture(scope="module")
+def daemon_history(tmp_path_factory: pytest.TempPathFactory):
+    """The real daemon against the simulator over HTTP (`run --simulate`), 30 simulated s."""
+    from tuner.config import SimulateConfig, TunerConfig
+    from tuner.simulate import run_simulation
+
+    url = f"sqlite:///{tmp_path_factory.mktemp('daemon') / 'dynspec.db'}"
+    summary = run_simulation(
+        TunerConfig(db_url=url, interval_s=1.0, decision_period_s=2.0, seed=3),
+        SimulateConfig(load="10:2,10:16,10:48", speed=2000, duration_s=30, seed=3),
+    )
+    return url, summary
+
+
+def test_report_on_a_daemon_run_matches_its_history(daemon_history) -> None:
+    url, summary = daemon_history
+    with Storage(url, read_only=True) as st:
+        report = build_report(st)
+        rows = st.observations()
+    (s,) = report.servers
+    check_against_rows(s, rows, Buckets())
+    # The table in effect is the one the daemon left the server on.
+    assert s.table is not None and s.table.table == summary.server_table
+    assert s.table.version == summary.final_version
+    assert s.counts["pushes"] == sum(1 for v in s.versions if v.outcome == "applied") > 0
+    assert s.curve and s.timeline
