@@ -356,11 +356,17 @@ def daemon_history(tmp_path_factory: pytest.TempPathFactory):
     return url, summary
 
 
-def test_report_on_a_daemon_run_matches_its_history(daemon_history) -> None:
+def test_report_on_a_daemon_run_matches_its_history(daemon_history, tmp_path: Path) -> None:
+    from tuner.export import export, load_sglang_adaptive
+
     url, summary = daemon_history
     with Storage(url, read_only=True) as st:
         report = build_report(st)
         rows = st.observations()
+        exported = export(st, fmt="sglang-adaptive", out=tmp_path / "a.json")
+    # What stock SGLang would be told is what the daemon left the server on.
+    assert load_sglang_adaptive(tmp_path / "a.json")[0] == summary.server_table
+    assert exported.warnings == ()
     (s,) = report.servers
     check_against_rows(s, rows, Buckets())
     # The table in effect is the one the daemon left the server on.
