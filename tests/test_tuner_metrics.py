@@ -89,3 +89,31 @@ def test_own_registry_per_instance() -> None:
 
     assert _samples(generate_latest(a.registry).decode())
     assert _samples(generate_latest(b.registry).decode()) == {}
+
+
+def test_daemon_keeps_the_metrics_up_to_date(tmp_path) -> None:
+    """`run --simulate` with metrics: what /metrics says matches what the run recorded."""
+    from prometheus_client import generate_latest
+
+    from storage import Storage
+    from tuner.config import SimulateConfig, TunerConfig
+    from tuner.simulate import run_simulation
+
+    m = TunerMetrics()
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    summary = run_simulation(
+        TunerConfig(db_url=url, interval_s=1.0, decision_period_s=2.0),
+        SimulateConfig(load="10:4", speed=2000, duration_s=10), metrics=m,
+    )
+    got = _samples(generate_latest(m.registry).decode())
+    server = summary.server
+    with Storage(url, read_only=True) as st:
+        applied = [v for v in st.policy_versions(server=server) if v.outcome == "applied"]
+        stored = st.count_observations(server=server)
+    assert got[("dynspec_pushes_total", (("server", server),))] == len(applied)
+    assert got[("dynspec_observations_total", (("server", server),))] == stored
+    assert got[("dynspec_policy_version", (("server", server),))] == applied[-1].version
+    assert got[("dynspec_server_up", (("server", server),))] == 1
+    assert got[("dynspec_plugin_loaded", (("server", server),))] == 1
+    assert any(name == "dynspec_chosen_arm" for name, _ in got)
+    assert any(name == "dynspec_goodput_estimate_tokens_per_second" for name, _ in got)
