@@ -9,7 +9,7 @@ only trusts measurements, and only when the difference is both large and signifi
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from policies._stats import ArmStats
@@ -33,26 +33,25 @@ def guard_check(
     margin: float,
     z: float,
     min_steps: float,
-    prior_sd: float,
-    prior_obs: float,
+    mean_sd: Callable[[ArmStats], float],
 ) -> GuardVerdict | None:
     """Return a verdict if ``greedy`` is measurably worse than another arm, else None.
 
     Both arms need ``min_steps`` (discounted) decode steps behind them; the alternative must
     beat ``greedy`` by more than ``margin`` in log goodput (0.02 = 2 %) with a z-score above
-    ``z``. The largest such gap wins.
+    ``z`` (``mean_sd`` gives each arm's standard error). The largest such gap wins.
     """
     g = stats.get(greedy)
     if g is None or g.w < min_steps:
         return None
-    g_sd = g.mean_sd(prior_sd, prior_obs)
+    g_sd = mean_sd(g)
     best: tuple[float, int, float] | None = None
     for arm in sorted(stats):
         st = stats[arm]
         if arm == greedy or st.w < min_steps:
             continue
         diff = st.mean - g.mean
-        se = math.hypot(g_sd, st.mean_sd(prior_sd, prior_obs))
+        se = math.hypot(g_sd, mean_sd(st))
         score = diff / se if se > 0 else math.inf
         if diff > margin and score > z and (best is None or diff > best[0]):
             best = (diff, arm, score)

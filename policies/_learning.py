@@ -39,28 +39,33 @@ __all__ = [
 # (thousands of steps at a few ms each), short enough that a workload shift is followed
 # within about a minute of traffic.
 DEFAULT_MEMORY_STEPS = 20_000.0
-# Prior standard deviation of one decode step's log goodput. One step of one request emits
-# 1..k+1 tokens, so its log goodput varies by ~0.4-0.5 at b = 1; the data shrinks this.
+# Prior standard deviation of one decode step's log goodput: one request emits 1..k+1 tokens
+# a step, so its log goodput varies by ~0.5; a step of b requests averages b of those, and
+# adds its own timing jitter (a few %). The data shrinks this prior.
 DEFAULT_STEP_SD = 0.5
+DEFAULT_TIMING_SD = 0.03
 DEFAULT_PRIOR_OBS = 2.0
 # An arm stays live at least this many decode steps of its bucket, so a bucket near the
 # crossover does not thrash between tables (each switch re-captures nothing, but logs, and
 # in SGLang's skip-extend mode costs acceptance).
-DEFAULT_MIN_DWELL_STEPS = 150
+DEFAULT_MIN_DWELL_STEPS = 8
 # Steps right after an arm (re)starts in a bucket carry the switch transient (draft state
 # catching up, cold recovery); they count at a reduced weight.
-DEFAULT_SETTLE_STEPS = 30
+DEFAULT_SETTLE_STEPS = 10
 DEFAULT_SETTLE_WEIGHT = 0.25
 # The greedy arm changes only for a gain above this (log goodput, 0.005 = 0.5 %).
 DEFAULT_SWITCH_MARGIN = 0.005
 # Guardrail: revert when the greedy arm is measured > 2 % below an alternative at z > 3.
 DEFAULT_GUARD_MARGIN = 0.02
 DEFAULT_GUARD_Z = 3.0
-DEFAULT_GUARD_MIN_STEPS = 200.0
+DEFAULT_GUARD_MIN_STEPS = 50.0
 # At most this fraction of a bucket's (discounted) decode steps off its greedy arm, once the
 # first DEFAULT_EXPLORE_ALLOWANCE_STEPS steps of the bucket (free warm-up) are past.
 DEFAULT_EXPLORE_BUDGET = 0.1
-DEFAULT_EXPLORE_ALLOWANCE_STEPS = 2_000
+DEFAULT_EXPLORE_ALLOWANCE_STEPS = 500
+# How far (log goodput) an arm's gap to the best may drift per bucket of distance, when an
+# untried arm borrows its gap from the nearest bucket that ran it.
+DEFAULT_BORROW_SD = 0.15
 # Notes kept in a snapshot (guardrail reverts), oldest dropped first.
 MAX_NOTES = 50
 
@@ -77,7 +82,8 @@ class LearnerParams:
     Attributes:
         memory_steps: effective memory per bucket in decode steps (discount ``1 - 1/memory``
             per step); ``math.inf`` disables discounting.
-        step_sd: prior standard deviation of one decode step's log goodput.
+        step_sd: prior standard deviation of one request-step's log goodput.
+        timing_sd: prior relative jitter of one decode step's duration.
         prior_obs: pseudo-observations behind ``step_sd``.
         min_dwell_steps: decode steps an arm stays live in a bucket before it may change.
         settle_steps: steps after an arm (re)starts in a bucket that count at
@@ -89,11 +95,14 @@ class LearnerParams:
         guard_min_steps: discounted steps both arms need before the guardrail judges.
         explore_budget: cap on the fraction of a bucket's decode steps off its greedy arm.
         explore_allowance_steps: a bucket's first steps, free of the budget (warm-up).
+        borrow_sd: drift per bucket of an arm's gap to the best, when a bucket that has not
+            run an arm borrows the gap from the nearest bucket that has.
         initial_arm: the arm for buckets nobody has seen yet; None = the middle arm.
     """
 
     memory_steps: float = DEFAULT_MEMORY_STEPS
     step_sd: float = DEFAULT_STEP_SD
+    timing_sd: float = DEFAULT_TIMING_SD
     prior_obs: float = DEFAULT_PRIOR_OBS
     min_dwell_steps: int = DEFAULT_MIN_DWELL_STEPS
     settle_steps: int = DEFAULT_SETTLE_STEPS
@@ -104,6 +113,7 @@ class LearnerParams:
     guard_min_steps: float = DEFAULT_GUARD_MIN_STEPS
     explore_budget: float = DEFAULT_EXPLORE_BUDGET
     explore_allowance_steps: int = DEFAULT_EXPLORE_ALLOWANCE_STEPS
+    borrow_sd: float = DEFAULT_BORROW_SD
     initial_arm: int | None = None
 
     def __post_init__(self) -> None:
@@ -121,6 +131,10 @@ class LearnerParams:
                 f.name, "a number", value)
         _require(self.memory_steps >= 1, "memory_steps", ">= 1 (or inf)", self.memory_steps)
         _require(0 < self.step_sd < math.inf, "step_sd", "positive and finite", self.step_sd)
+        _require(0 <= self.timing_sd < math.inf, "timing_sd", ">= 0 and finite",
+                 self.timing_sd)
+        _require(0 < self.borrow_sd < math.inf, "borrow_sd", "positive and finite",
+                 self.borrow_sd)
         _require(0 <= self.prior_obs < math.inf, "prior_obs", ">= 0 and finite", self.prior_obs)
         for name in ("min_dwell_steps", "settle_steps", "explore_allowance_steps"):
             value = getattr(self, name)
@@ -243,7 +257,7 @@ class LearningPolicy(BasePolicy):
             return
         verdict = guard_check(
             st.stats, choice, margin=p.guard_margin, z=p.guard_z,
-            min_steps=p.guard_min_steps, prior_sd=p.step_sd, prior_obs=p.prior_obs,
+            min_steps=p.guard_min_steps, mean_sd=self._mean_sd,
         )
         if verdict is not None:
             if st.last_revert != (verdict.bad, verdict.better):
@@ -251,6 +265,31 @@ class LearningPolicy(BasePolicy):
             st.last_revert = (verdict.bad, verdict.better)
             choice = verdict.better
         st.greedy = choice
+
+    def _mean_sd(self, a: ArmStats) -> float:
+        """Posterior standard deviation of an arm's mean log goodput (inf when unseen)."""
+        p = self.params
+        b = a.mean_b if a.seen else 1.0
+        prior = math.sqrt(p.step_sd * p.step_sd / max(b, 1.0) + p.timing_sd * p.timing_sd)
+        return a.mean_sd(prior, p.prior_obs)
+
+    def _borrowed(self, j: int, arm: int) -> tuple[float, float] | None:
+        """Prior ``(mean, sd)`` of an arm bucket ``j`` has not run, from the nearest bucket
+        that ran both it and its best arm: the same gap to the best, widened with distance.
+        None when no bucket can say, or bucket ``j`` has no data at all."""
+        here = [a.mean for a in self._state[j].stats.values() if a.seen]
+        if not here:
+            return None
+        for d in range(1, len(self._state)):
+            gaps = []
+            for i in (j - d, j + d):
+                if 0 <= i < len(self._state):
+                    st = self._state[i].stats
+                    if st[arm].seen:
+                        gaps.append(st[arm].mean - max(a.mean for a in st.values() if a.seen))
+            if gaps:
+                return max(here) + sum(gaps) / len(gaps), self.params.borrow_sd * math.sqrt(d)
+        return None
 
     def _note(self, text: str) -> None:
         self._notes.append(text)
@@ -340,7 +379,6 @@ class LearningPolicy(BasePolicy):
         return st.bud_off, st.bud_total
 
     def _estimates(self) -> tuple[ArmEstimate, ...]:
-        p = self.params
         out = []
         for j, st in enumerate(self._state):
             for arm in self.arms:
@@ -349,8 +387,7 @@ class LearningPolicy(BasePolicy):
                     continue
                 g = a.goodput()
                 out.append(ArmEstimate(
-                    bucket=j, arm=arm, estimate=g,
-                    std=g * a.mean_sd(p.step_sd, p.prior_obs), n=round(a.w),
+                    bucket=j, arm=arm, estimate=g, std=g * self._mean_sd(a), n=round(a.w),
                 ))
         return tuple(out)
 

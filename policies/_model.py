@@ -31,6 +31,7 @@ from policies._stats import ArmStats
 
 __all__ = [
     "DEFAULT_ACCEPTANCE_CORR",
+    "DEFAULT_ACCEPTANCE_MEMORY_REQUEST_STEPS",
     "DEFAULT_ACCEPTANCE_MEMORY_STEPS",
     "DEFAULT_CHAIN_DELTA",
     "DEFAULT_TIME_MODEL_SD",
@@ -38,16 +39,24 @@ __all__ = [
     "ModelPolicy",
 ]
 
-# Acceptance memory in request-steps at k > 0 (global): follows a workload shift within
-# a few seconds of traffic.
-DEFAULT_ACCEPTANCE_MEMORY_STEPS = 200_000.0
-# Request-steps per independent acceptance sample: a request keeps its α for its whole life.
-DEFAULT_ACCEPTANCE_CORR = 50.0
+# Acceptance memory (global, all buckets): discounted per request-step and per decode step,
+# so it follows a workload shift within ~30 s of traffic at one request (where information
+# is scarce) and within a few seconds at hundreds.
+DEFAULT_ACCEPTANCE_MEMORY_REQUEST_STEPS = 100_000.0
+DEFAULT_ACCEPTANCE_MEMORY_STEPS = 5_000.0
+# Request-steps per independent acceptance sample: a request keeps its α for its whole life
+# (a few hundred steps).
+DEFAULT_ACCEPTANCE_CORR = 200.0
 # Per-position decay used to extrapolate acceptance to arms not yet run (anchors §3.3).
 DEFAULT_CHAIN_DELTA = 0.973
-# Relative error of the step-time model one bucket away from where the arm was measured.
+# Relative error of the step-time model one bucket away from where the arm was measured
+# (it grows with the square root of the distance between measured buckets, linearly beyond).
 DEFAULT_TIME_MODEL_SD = 0.04
 DEFAULT_MODEL_SAMPLE_SCALE = 1.0
+# Step-time ordering across buckets (see ModelPolicy._order_step_times): cells at most this
+# uncertain bound their neighbours, with this much slack (log step time).
+DEFAULT_ORDER_CONFIDENT_SD = 0.03
+DEFAULT_ORDER_SLACK = 0.02
 _RIDGE = 1e-6
 _FAR_SD = 0.5  # prediction spread where the model has nothing to go on
 
@@ -57,23 +66,29 @@ class ModelParams(LearnerParams):
     """:class:`LearnerParams` plus the model's own.
 
     Attributes:
-        acceptance_memory_steps: memory of the acceptance estimate, in request-steps.
+        acceptance_memory_request_steps: memory of the acceptance estimate, in request-steps.
+        acceptance_memory_steps: ... and in decode steps (both discount).
         acceptance_corr: request-steps per independent acceptance sample (>= 1).
         chain_delta: per-position decay δ of the chain model, in (0, 1].
         time_model_sd: relative error of the step-time model next to measured buckets.
         sample_scale: posterior draws are scaled by this.
+        order_confident_sd: step-time cells at most this uncertain bound their neighbours.
+        order_slack: slack of that bound (log step time).
     """
 
+    acceptance_memory_request_steps: float = DEFAULT_ACCEPTANCE_MEMORY_REQUEST_STEPS
     acceptance_memory_steps: float = DEFAULT_ACCEPTANCE_MEMORY_STEPS
     acceptance_corr: float = DEFAULT_ACCEPTANCE_CORR
     chain_delta: float = DEFAULT_CHAIN_DELTA
     time_model_sd: float = DEFAULT_TIME_MODEL_SD
     sample_scale: float = DEFAULT_MODEL_SAMPLE_SCALE
+    order_confident_sd: float = DEFAULT_ORDER_CONFIDENT_SD
+    order_slack: float = DEFAULT_ORDER_SLACK
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _require(self.acceptance_memory_steps >= 1, "acceptance_memory_steps", ">= 1 (or inf)",
-                 self.acceptance_memory_steps)
+        for name in ("acceptance_memory_request_steps", "acceptance_memory_steps"):
+            _require(getattr(self, name) >= 1, name, ">= 1 (or inf)", getattr(self, name))
         _require(1 <= self.acceptance_corr < math.inf, "acceptance_corr", ">= 1 and finite",
                  self.acceptance_corr)
         _require(0 < self.chain_delta <= 1, "chain_delta", "in (0, 1]", self.chain_delta)
@@ -81,6 +96,10 @@ class ModelParams(LearnerParams):
                  self.time_model_sd)
         _require(0 < self.sample_scale < math.inf, "sample_scale", "positive and finite",
                  self.sample_scale)
+        _require(0 <= self.order_confident_sd < math.inf, "order_confident_sd",
+                 ">= 0 and finite", self.order_confident_sd)
+        _require(0 <= self.order_slack < math.inf, "order_slack", ">= 0 and finite",
+                 self.order_slack)
 
 
 class ModelPolicy(LearningPolicy):
@@ -93,7 +112,11 @@ class ModelPolicy(LearningPolicy):
     def __init__(self, **kw: object) -> None:
         super().__init__(**kw)  # type: ignore[arg-type]
         p = self.params
-        self._acc_gamma = (
+        self._acc_gamma_rs = (
+            1.0 if math.isinf(p.acceptance_memory_request_steps)
+            else 1.0 - 1.0 / p.acceptance_memory_request_steps
+        )
+        self._acc_gamma_s = (
             1.0 if math.isinf(p.acceptance_memory_steps)
             else 1.0 - 1.0 / p.acceptance_memory_steps
         )
@@ -103,7 +126,9 @@ class ModelPolicy(LearningPolicy):
         self._time = [{k: ArmStats() for k in self.arms} for _ in range(len(self.buckets))]
         self._occ = [[0.0, 0.0] for _ in range(len(self.buckets))]  # discounted steps, steps*b
         self._pred: np.ndarray | None = None  # [bucket, arm] -> (mean, sd) of log goodput/req
-        self._post: np.ndarray | None = None
+        self._theta: np.ndarray | None = None
+        self._comp: tuple[np.ndarray, dict[int, float], dict[int, float]] | None = None
+        self._alpha = (0.7, 0.3)  # chain-model α and its standard error
 
     # --- learning -------------------------------------------------------------------------
 
@@ -117,14 +142,18 @@ class ModelPolicy(LearningPolicy):
         occ[0] = occ[0] * factor + s
         occ[1] = occ[1] * factor + s * obs.b
         if obs.k > 0:
+            # Acceptance ages only while it is measured: with nothing drafting nothing new can
+            # be learned, and forgetting would only buy exploration of arms the last evidence
+            # rules out.
             req_steps = s * obs.b
-            f = self._acc_gamma**req_steps
+            f = self._acc_gamma_rs**req_steps * self._acc_gamma_s**s
             for acc in self._acc.values():
                 acc[0] *= f
                 acc[1] *= f
             self._acc[obs.k][0] += obs.accepted_drafts
             self._acc[obs.k][1] += req_steps
-        self._pred = self._post = None
+        self._pred = None
+        self._comp = None
 
     def _learn(self, j: int, obs: Observation, r: float) -> None:
         super()._learn(j, obs, r)
@@ -152,6 +181,7 @@ class ModelPolicy(LearningPolicy):
                 sd = (k / 2) * math.sqrt(p.acceptance_corr / rs)
                 direct[k] = (m, sd)
         alpha, alpha_sd = self._fit_alpha(direct)
+        self._alpha = (alpha, alpha_sd)
         mean, sd = {0: 0.0}, {0: 0.0}
         for k in self.arms:
             if k == 0:
@@ -227,7 +257,14 @@ class ModelPolicy(LearningPolicy):
         a = x * sw[:, None]
         theta = np.linalg.solve(a.T @ a + _RIDGE * np.trace(a.T @ a) * np.eye(x.shape[1]),
                                 a.T @ (y * sw))
+        self._theta = theta
         t_lo, t_hi = float(y.min()) * 0.3, float(y.max()) * 10.0
+        # How far the bilinear form misses the measured cells calibrates how much to trust it
+        # away from them (shrunk towards time_model_sd while there are few cells).
+        fitted = np.clip(x @ theta, t_lo, t_hi)
+        resid_all = np.log(y) - np.log(fitted)
+        dof = max(len(ys) - x.shape[1], 0)
+        unit = math.sqrt((4 * p.time_model_sd**2 + float(resid_all @ resid_all)) / (4 + dof))
         for ai, k in enumerate(self.arms):
             observed = [j for j in range(nb) if self._time[j][k].seen]
             resid = {
@@ -240,52 +277,127 @@ class ModelPolicy(LearningPolicy):
             for j in range(nb):
                 base = math.log(min(max(float(np.dot(theta, self._features(rep[j], k))), t_lo),
                                     t_hi))
-                # Residual of the nearest *other* bucket that ran this arm: the bucket's own
-                # measurements enter as the likelihood, not twice.
-                others = [i for i in observed if i != j]
-                if others:
-                    d = min(abs(i - j) for i in others)
-                    near = [resid[i] for i in others if abs(i - j) == d]
-                    base += (sum(near) / len(near)) * (0.5 ** (d - 1))
-                    sd = p.time_model_sd * math.sqrt(d)
+                # The residual field of the *other* buckets that ran this arm (the bucket's
+                # own measurements enter as the likelihood, not twice): interpolated between
+                # the nearest on each side, carried flat beyond the last one, and less certain
+                # the further it reaches (extrapolation more so).
+                left = max((i for i in observed if i < j), default=None)
+                right = min((i for i in observed if i > j), default=None)
+                if left is not None and right is not None:
+                    w = (j - left) / (right - left)
+                    base += (1 - w) * resid[left] + w * resid[right]
+                    sd = unit * math.sqrt(min(j - left, right - j))
+                elif left is not None or right is not None:
+                    near = left if left is not None else right
+                    assert near is not None
+                    base += resid[near]
+                    sd = unit * abs(j - near)
                 else:
                     sd = _FAR_SD
                 # Monotone in b: a bigger batch never runs a step faster.
                 base = max(base, prev)
                 prev = base
-                out[j, ai] = (base, sd)
+                out[j, ai] = (base, min(sd, _FAR_SD))
         return out
 
-    def _predictions(self) -> np.ndarray:
-        """Prior (model) log goodput per request, [bucket, arm, (mean, sd)]."""
-        if self._pred is None:
+    def _step_times(self) -> np.ndarray:
+        """Log step time per [bucket, arm, (mean, sd)]: the model's prior combined with the
+        bucket's own measured step times, then held to the physics of speculation."""
+        p = self.params
+        t = self._time_model()
+        for j in range(len(self.buckets)):
+            b = self._rep_b(j)
+            for ai, k in enumerate(self.arms):
+                cell = self._time[j][k]
+                if not cell.seen:
+                    continue
+                # Measured at the cell's mean batch size; moved to the bucket's by the fit's
+                # slope. Within-cell spread (other b's, jitter) sets its weight.
+                m0, s0 = t[j, ai]
+                m1 = cell.mean + self._fit_log_t(b, k) - self._fit_log_t(cell.mean_b, k)
+                s1 = cell.mean_sd(p.timing_sd, p.prior_obs)
+                w0, w1 = 1 / (s0 * s0), 1 / (s1 * s1)
+                t[j, ai] = ((m0 * w0 + m1 * w1) / (w0 + w1), math.sqrt(1 / (w0 + w1)))
+        self._order_step_times(t)
+        return t
+
+    def _order_step_times(self, t: np.ndarray) -> None:
+        """More drafting gets relatively dearer as the batch grows.
+
+        For arms ``k > k'`` the ratio ``T(b, k) / T(b, k')`` does not fall as ``b`` grows:
+        at small batches a step is bound by reading weights, at large ones by compute, and
+        drafting adds tokens. Where a bucket's ratio is unknown but its neighbours' are
+        measured, that bounds it: from below by the measured buckets under it, from above by
+        those over it (with a little slack for measurement noise). This is what keeps the
+        model from exploring deep drafting at large batches it has never run them at.
+        """
+        p = self.params
+        nb = len(self.buckets)
+        for hi in range(1, len(self.arms)):
+            for lo in range(hi):
+                diff = t[:, hi, 0] - t[:, lo, 0]
+                sure = np.maximum(t[:, hi, 1], t[:, lo, 1]) <= p.order_confident_sd
+                floor = -math.inf
+                for j in range(nb):
+                    if sure[j]:
+                        floor = max(floor, diff[j])
+                    elif diff[j] < floor - p.order_slack:
+                        self._move(t, j, hi, lo, floor - p.order_slack)
+                ceil = math.inf
+                for j in reversed(range(nb)):
+                    d = t[j, hi, 0] - t[j, lo, 0]
+                    if sure[j]:
+                        ceil = min(ceil, d)
+                    elif d > ceil + p.order_slack:
+                        self._move(t, j, hi, lo, ceil + p.order_slack)
+
+    @staticmethod
+    def _move(t: np.ndarray, j: int, hi: int, lo: int, target: float) -> None:
+        # Move the less certain of the two arms so that log T_hi - log T_lo == target; the
+        # bound came from measured buckets, so the moved arm becomes about as certain.
+        if t[j, hi, 1] >= t[j, lo, 1]:
+            t[j, hi, 0] = t[j, lo, 0] + target
+            t[j, hi, 1] = min(t[j, hi, 1], t[j, lo, 1] + 0.02)
+        else:
+            t[j, lo, 0] = t[j, hi, 0] - target
+            t[j, lo, 1] = min(t[j, lo, 1], t[j, hi, 1] + 0.02)
+
+    def _components(self) -> tuple[np.ndarray, dict[int, float], dict[int, float]]:
+        """``(log step time [bucket, arm, 2], E[emitted] mean per arm, its sd per arm)``."""
+        if self._comp is None:
             mean, sd = self._acceptance()
-            t = self._time_model()
+            self._comp = (
+                self._step_times(),
+                {k: 1.0 + mean[k] for k in self.arms},
+                {k: sd[k] for k in self.arms},
+            )
+        return self._comp
+
+    def _predictions(self) -> np.ndarray:
+        """Log goodput per request, [bucket, arm, (mean, sd)].
+
+        Acceptance is global; step time per bucket comes from :meth:`_step_times` (precise
+        even where goodput is noisy: at one request, goodput moves with that request's
+        acceptance, step time does not).
+        """
+        if self._pred is None:
+            t, em, em_sd = self._components()
             pred = np.zeros_like(t)
             for ai, k in enumerate(self.arms):
-                em = 1.0 + mean[k]
-                sd_em = sd[k] / em
-                pred[:, ai, 0] = math.log(em) - t[:, ai, 0]
-                pred[:, ai, 1] = np.sqrt(sd_em * sd_em + t[:, ai, 1] ** 2)
+                rel = em_sd[k] / em[k]
+                pred[:, ai, 0] = math.log(em[k]) - t[:, ai, 0]
+                pred[:, ai, 1] = np.sqrt(rel * rel + t[:, ai, 1] ** 2)
             self._pred = pred
         return self._pred
 
+    def _fit_log_t(self, b: float, k: int) -> float:
+        theta = self._theta
+        if theta is None:
+            return 0.0
+        return math.log(max(float(np.dot(theta, self._features(b, k))), 1e-9))
+
     def _posterior(self) -> np.ndarray:
-        """Model prior combined with each bucket's own measurements, [bucket, arm, 2]."""
-        if self._post is None:
-            p = self.params
-            post = self._predictions().copy()
-            for j, st in enumerate(self._state):
-                for ai, k in enumerate(self.arms):
-                    a = st.stats[k]
-                    if not a.seen:
-                        continue
-                    m0, s0 = post[j, ai]
-                    m1, s1 = a.mean, a.mean_sd(p.step_sd, p.prior_obs)
-                    w0, w1 = 1 / (s0 * s0), 1 / (s1 * s1)
-                    post[j, ai] = ((m0 * w0 + m1 * w1) / (w0 + w1), math.sqrt(1 / (w0 + w1)))
-            self._post = post
-        return self._post
+        return self._predictions()
 
     # --- deciding -------------------------------------------------------------------------
 
@@ -311,11 +423,20 @@ class ModelPolicy(LearningPolicy):
                      for st in self._state)
 
     def _explore(self, j: int, greedy: int) -> int:
-        post = self._posterior()[j]
-        scale, gauss = self.params.sample_scale, self._rng.gauss
+        """One posterior draw per arm. Acceptance is one quantity for all arms: one draw of
+        the chain model's α moves every arm's emitted tokens together (so an arm cannot look
+        better through acceptance that the others do not share), and never past ``k + 1``."""
+        t, em, em_sd = self._components()
+        p = self.params
+        scale, gauss = p.sample_scale, self._rng.gauss
+        alpha, alpha_sd = self._alpha
+        drawn = min(max(alpha + scale * alpha_sd * gauss(0, 1), 0.0), 1.0)
         best_arm, best_draw = greedy, -math.inf
         for ai, arm in enumerate(self.arms):
-            draw = post[ai, 0] + scale * post[ai, 1] * gauss(0, 1)
+            shift = (expected_accepted(drawn, p.chain_delta, arm)
+                     - expected_accepted(alpha, p.chain_delta, arm))
+            e = min(max(em[arm] + shift, 1.0), 1.0 + arm)
+            draw = math.log(e) - (t[j, ai, 0] + scale * t[j, ai, 1] * gauss(0, 1))
             if draw > best_draw:
                 best_arm, best_draw = arm, draw
         return best_arm

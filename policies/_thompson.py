@@ -4,7 +4,10 @@ Each arm's mean log goodput per request has a Gaussian posterior (mean and sprea
 discounted, step-weighted statistics of :mod:`policies._stats`); each decision draws one
 sample per arm and runs the largest. Discounting lets an arm's posterior widen again when it
 has not been run for a while, so a workload that changes gets re-explored. An arm never run in
-a bucket is drawn around the bucket's best mean, so it gets tried soon, but not blindly.
+a bucket borrows its gap to the best arm from the nearest bucket that ran it (goodput is
+smooth in the batch size), widened with the distance; with no such bucket it is drawn around
+the bucket's best mean. So a new bucket tries the arms its neighbours found close, and
+rarely the ones they found far behind.
 """
 
 from __future__ import annotations
@@ -52,9 +55,11 @@ class ThompsonPolicy(LearningPolicy):
         for arm in self.arms:  # fixed order: one draw per arm, reproducible for a seed
             a = st.stats[arm]
             if a.seen:
-                draw = a.mean + p.sample_scale * a.mean_sd(p.step_sd, p.prior_obs) * gauss(0, 1)
+                draw = a.mean + p.sample_scale * self._mean_sd(a) * gauss(0, 1)
             else:
-                draw = base + p.untried_sd * gauss(0, 1)
+                prior = self._borrowed(j, arm)
+                mean, sd = prior if prior is not None else (base, p.untried_sd)
+                draw = mean + sd * gauss(0, 1)
             if draw > best_draw:
                 best_arm, best_draw = arm, draw
         return best_arm

@@ -49,8 +49,8 @@ class UCBPolicy(LearningPolicy):
         best_arm, best_index = greedy, -math.inf
         for arm in self.arms:
             a = st.stats[arm]
-            sd = a.step_sd(p.step_sd, p.prior_obs)
-            index = a.mean + p.c * sd * math.sqrt(2.0 * log_total / a.w)
+            # mean_sd * sqrt(w) is the (tuned) per-step spread of this arm.
+            index = a.mean + p.c * self._mean_sd(a) * math.sqrt(2.0 * log_total)
             if index > best_index:
                 best_arm, best_index = arm, index
         return best_arm

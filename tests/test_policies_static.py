@@ -94,7 +94,7 @@ def test_sglang_table_follows_graph_padding():
 
 
 def test_optuna_studies_live_in_the_given_database(tmp_path):
-    optuna = pytest.importorskip("optuna")
+    import optuna
     url = f"sqlite:///{tmp_path / 'dynspec.db'}"
     p = make_policy("optuna", arms=(0, 1, 3), buckets=Buckets((1,)), storage_url=url,
                     trial_steps=50, explore_allowance_steps=100_000)

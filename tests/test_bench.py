@@ -1,0 +1,98 @@
+"""The bench: scoring against the oracle, determinism, configuration errors, the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from tuner.bench import BenchConfig, parse_policy_spec, run_bench, run_one
+from tuner.cli import main
+from tuner.errors import ConfigError
+
+TINY = dict(profile="h100-llama8b", workload="chat", load="20:1,20:8", warmup_s=5.0)
+
+
+def _figures(r):
+    return [(ph.pct_oracle, ph.pct_oracle_all, ph.explore_tokens_lost, ph.switches)
+            for ph in r.phases]
+
+
+def test_tiny_scenario_scores_within_the_oracle_and_repeats_exactly():
+    a = run_one(policy="model", **TINY)
+    assert [ph.concurrency for ph in a.phases] == [1, 8]
+    for ph in a.phases:
+        assert 0.0 <= ph.pct_oracle <= 100.0
+        assert 0.0 <= ph.pct_oracle_all <= 100.0
+        assert ph.decode_busy_s > 0 and ph.goodput <= ph.oracle_goodput * (1 + 1e-9)
+    b = run_one(policy="model", **TINY)
+    assert _figures(a) == _figures(b)
+    assert a.final_table == b.final_table
+
+
+def test_oracle_table_scores_100_and_no_speculation_far_less():
+    # On the H100 profile with chat, k = 3 is the best arm at every batch size up to 64.
+    best = run_one(policy="always:k=3", **TINY)
+    never = run_one(policy="never", **TINY)
+    assert [ph.pct_oracle_all for ph in best.phases] == [100.0, 100.0]
+    assert all(ph.pct_oracle_all < 70.0 for ph in never.phases)
+    assert best.switches == never.switches == 0
+    assert best.explore_tokens_lost == 0.0
+
+
+def test_sglang_default_baseline_is_settled_from_the_workload():
+    r = run_one(policy="sglang-default", **TINY)
+    assert r.final_table == ((30, 3), (60, 1), (None, 0))
+
+
+def test_policy_specs_and_config_errors():
+    assert parse_policy_spec("threshold:max_batch=8:k=1") == ("threshold", {"max_batch": 8,
+                                                                            "k": 1})
+    assert parse_policy_spec("thompson") == ("thompson", {})
+    with pytest.raises(ConfigError, match="not key=value"):
+        parse_policy_spec("threshold:8")
+    with pytest.raises(ConfigError, match="unknown parameter 'bogus'"):
+        BenchConfig(policies=("thompson:bogus=1",))
+    with pytest.raises(ConfigError, match="unknown policy"):
+        BenchConfig(policies=("nope",))
+    with pytest.raises(ConfigError, match="bad load"):
+        BenchConfig(load="1:2:3:4")
+    with pytest.raises(ConfigError, match="warmup_s"):
+        BenchConfig(warmup_s=-1.0)
+
+
+def test_bench_checks_targets_for_the_default_policy():
+    config = BenchConfig(profiles=("h100-llama8b",), workloads=("hard",), load="15:1,15:16",
+                         policies=("threshold", "thompson"), warmup_s=5.0, jobs=1)
+    result = run_bench(config)
+    assert [r.policy for r in result.runs] == ["threshold", "thompson"]
+    assert len(result.checks) == 6
+    beat = result.checks[2]
+    assert "phase comparisons" in beat.detail
+    data = result.to_json()
+    assert json.loads(json.dumps(data))["runs"][1]["policy"] == "thompson"
+    assert dataclasses.asdict(config) == data["config"]
+
+
+def test_cli_bench_prints_tables_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--profiles", "h100-llama8b", "--workloads", "chat", "--load",
+               "10:1,10:4", "--policies", "never,model", "--warmup", "2", "--jobs", "1",
+               "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "h100-llama8b / chat / load 10:1,10:4" in text
+    assert "targets for the default policy" in text
+    data = json.loads(out.read_text())
+    assert {r["policy"] for r in data["runs"]} == {"never", "model"}
+    for run in data["runs"]:
+        for ph in run["phases"]:
+            assert ph["pct_oracle_all"] is None or 0 <= ph["pct_oracle_all"] <= 100
+    assert not math.isnan(data["wall_s"])
+
+
+def test_cli_bench_bad_policy_exits_2(capsys):
+    assert main(["bench", "--policies", "thompson:memory_steps=0"]) == 2
+    assert "memory_steps" in capsys.readouterr().err
