@@ -290,7 +290,7 @@ def test_daemon_learns_from_metrics_only_never_pushes_says_so_once(
     # What it learned reports like anything else.
     report = build_report(storage, buckets=Buckets((4, 16, 64)), now=now[0])
     (s,) = report.servers
-    assert s.chosen_from == "data" and s.table is None
+    assert s.chosen_from == "data" and s.table is None and s.metrics_only
     got = {(bk.label, a.arm): a.goodput for bk in s.buckets for a in bk.arms}
     assert got[("5-16", 3)] == pytest.approx(100 * 12 * 2.4)
     assert got[("17-64", 1)] == pytest.approx(100 * 40 * 1.7)

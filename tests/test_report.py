@@ -212,6 +212,7 @@ def test_json_is_stable_and_complete(history: str) -> None:
     assert doc["schema"] == REPORT_SCHEMA
     assert json.loads(json.dumps(doc)) == doc  # plain JSON, no NaN
     (srv,) = doc["servers"]
+    assert srv["metrics_only"] is False
     assert set(srv) >= {"server", "arms", "always_arm", "table", "crossover_b", "buckets",
                         "goodput_by_batch_size", "timeline", "versions", "events", "counts"}
     arm = srv["buckets"][0]["arms"][0]

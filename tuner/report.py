@@ -192,6 +192,7 @@ class ServerReport:
     versions: tuple[VersionEntry, ...]
     events: tuple[EventEntry, ...]
     counts: dict[str, int]
+    metrics_only: bool = False  # watched without the plugin (coarse /metrics observations)
     plots: dict[str, str] = field(default_factory=dict)  # name -> file, when written beside
 
 
@@ -486,6 +487,7 @@ def summarize(
         versions=window_versions,
         events=event_entries,
         counts=counts,
+        metrics_only=any(e.kind == "plugin_missing" for e in event_entries),
     )
 
 
@@ -629,6 +631,10 @@ def _server_text(s: ServerReport, width: int) -> list[str]:
             f"({s.table.policy}): {_table_str(s.table.table)}", width))
     else:
         out.append("no table recorded: 'chosen' below is the best arm by the data")
+    if s.metrics_only:
+        out.append(_clip(
+            "metrics-only mode (no dynspec plugin): coarse per-interval observations of the "
+            "arm the server ran; nothing was pushed", width))
     if s.crossover_b is not None:
         out.append(f"speculation stops paying from batch size {s.crossover_b}")
     elif any(b.chosen is not None for b in s.buckets):
@@ -751,6 +757,7 @@ def _server_json(s: ServerReport) -> dict[str, Any]:
                                                          _f(s.data_span[1], 3)],
         "table": None if s.table is None else _version_json(s.table),
         "chosen_from": s.chosen_from,
+        "metrics_only": s.metrics_only,
         "crossover_b": s.crossover_b,
         "counts": dict(s.counts),
         "buckets": [
@@ -971,6 +978,9 @@ def render_html(report: Report, plots: dict[str, dict[str, bytes]] | None = None
                 f"{e(s.table.outcome)} {e(_iso(s.table.ts))}): "
                 f"<code>{e(_table_str(s.table.table))}</code></p>"
             )
+        if s.metrics_only:
+            parts.append("<p>Metrics-only mode (no dynspec plugin): coarse per-interval "
+                         "observations of the arm the server ran; nothing was pushed.</p>")
         if s.crossover_b is not None:
             parts.append(f"<p><b>Speculation stops paying from batch size {s.crossover_b}.</b></p>")
         c = s.counts
