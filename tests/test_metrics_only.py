@@ -295,3 +295,75 @@ def test_daemon_learns_from_metrics_only_never_pushes_says_so_once(
     assert got[("5-16", 3)] == pytest.approx(100 * 12 * 2.4)
     assert got[("17-64", 1)] == pytest.approx(100 * 40 * 1.7)
     storage.close()
+
+
+def test_metrics_only_agrees_with_the_plugins_counters_on_the_simulator(tmp_path) -> None:
+    """The daemon watches a simulated server whose /server_info hides the plugin (stock
+    SGLang), on the simulator's virtual clock. Its coarse observations, from /metrics and
+    /v1/loads' decode moments, must tell the same goodput as the plugin's own counters, which
+    the simulator still keeps: the ground truth."""
+    from urllib.parse import parse_qs, urlsplit
+
+    from tuner.client import SGLangClient
+    from tuner.plugin.core import PluginCore
+    from tuner.sim.engine import Engine
+    from tuner.sim.load import parse_load
+    from tuner.sim.server import HttpRequest, SimServer
+
+    core = PluginCore((0, 3), started_at=0.0, default_arm=3)
+    engine = Engine(profile="h200-llama8b", workload="chat", core=core, seed=5,
+                    load=parse_load("30:16,30:40"))
+    sim = SimServer(engine=engine)
+
+    def stock(req, call_next):  # SGLang without the plugin: no "dynspec" section
+        resp = call_next(req)
+        if req.path == "/server_info":
+            info = json.loads(resp.body)
+            for entry in info["internal_states"]:
+                entry.pop("dynspec", None)
+            resp.body = json.dumps(info).encode()
+        return resp
+
+    sim.interceptors.append(stock)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        url = urlsplit(str(request.url))
+        resp = sim.dispatch(HttpRequest(request.method, url.path, parse_qs(url.query),
+                                        dict(request.headers), request.content))
+        return httpx.Response(resp.status, content=resp.body,
+                              headers={"content-type": resp.content_type})
+
+    address = "sim:30000"
+    storage = Storage(f"sqlite:///{tmp_path / 'h.db'}")
+    daemon = Daemon(
+        TunerConfig(servers=(address,), interval_s=1.0, decision_period_s=2.0,
+                    policy="thompson"),
+        storage=storage, clock=lambda: 1_000.0 + engine.now,
+        clients={address: SGLangClient(address, transport=httpx.MockTransport(handler))},
+    )
+    truth_at: dict[float, dict] = {}
+    for sec in range(1, 61):
+        engine.run_until(float(sec))
+        daemon.run_once()
+        truth_at[1_000.0 + engine.now] = {(c.b, c.k): c for c in core.state().counters}
+    daemon.shutdown()
+    assert daemon.status().servers[0].mode == "metrics-only"
+    assert core.updates_applied == 0  # nothing was pushed
+
+    rows = storage.observations(server=address)
+    assert len(rows) >= 30 and {r.k for r in rows} == {3}
+    # Over the intervals the daemon recorded, compare with the plugin's counters.
+    stamps = sorted(truth_at)
+    for phase, (lo, hi) in {"16": (1_006.0, 1_029.0), "40": (1_036.0, 1_059.0)}.items():
+        mine = [r for r in rows if lo <= r.ts <= hi]
+        t0 = max(t for t in stamps if t <= min(r.ts for r in mine) - 0.5)
+        t1 = max(r.ts for r in mine)
+        a, z = truth_at[t0], truth_at[t1]
+        emitted = sum(c.emitted_tokens - (a[k].emitted_tokens if k in a else 0)
+                      for k, c in z.items())
+        busy = sum(c.busy_s - (a[k].busy_s if k in a else 0.0) for k, c in z.items())
+        seen = sum(r.emitted_tokens for r in mine) / sum(r.busy_s for r in mine)
+        assert seen == pytest.approx(emitted / busy, rel=0.01), phase
+        assert abs(sum(r.b * r.decode_steps for r in mine) / sum(r.decode_steps for r in mine)
+                   - int(phase)) <= 1.5
+    storage.close()
