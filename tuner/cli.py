@@ -353,6 +353,17 @@ def _add_sim(sub: argparse._SubParsersAction) -> None:
         help="beyond a cost table's measured batch sizes (default refuse)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help=(
+            "inject a fault, repeatable: KIND[:PATH[,PATH]][:COUNT] with KIND refuse, stall"
+            "[SECONDS], an HTTP status (503), malformed, reject, restart or protocolN; e.g. "
+            "503:/server_info:5. More at runtime: POST /_sim/faults"
+        ),
+    )
     p.set_defaults(func=_cmd_sim)
 
 
@@ -360,11 +371,16 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     import signal
     import threading
 
+    from tuner.sim.faults import Fault
     from tuner.sim.load import parse_load
     from tuner.sim.profiles import load_profile
     from tuner.sim.server import SimServer
     from tuner.sim.workloads import get_workload
 
+    try:
+        faults = [Fault.parse(spec) for spec in args.fault]
+    except ValueError as exc:
+        raise ConfigError(f"--fault: {exc}") from exc
     if not args.speed > 0:
         raise ConfigError(f"--speed must be > 0, got {args.speed}")
     if args.max_running is not None and args.max_running < 1:
@@ -387,6 +403,8 @@ def _cmd_sim(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
         )
+        for fault in faults:
+            server.faults.add(fault)
         server.start()
     except OSError as exc:
         raise ConfigError(f"cannot listen on {args.host}:{args.port}: {exc}") from exc

@@ -15,7 +15,8 @@ SGLang 0.5.23 shapes them (``shared/sglang-integration.md`` §4-6).
 A driver thread maps real time to virtual time (``speed`` virtual seconds per real second) and
 advances the engine; handlers touch the engine under one lock. Every request goes through
 :meth:`SimServer.dispatch`, and ``interceptors`` (``fn(request, call_next) -> HttpResponse``)
-wrap it — the place for fault injection (refuse, stall, 5xx, malformed bodies).
+wrap it; the first is :attr:`SimServer.faults` (``tuner/sim/faults.py``: refuse, stall, 5xx,
+malformed bodies, rejected updates, restarts; admin endpoint ``/_sim/faults``).
 """
 
 from __future__ import annotations
@@ -163,7 +164,12 @@ class SimServer:
             engine.attach_load(load)
         self.engine = engine
         self.lock = threading.RLock()
-        self.interceptors: list[Interceptor] = []
+        from tuner.sim.faults import FaultInjector  # lazy: faults.py imports this module
+
+        # Fault injection for tests and drills (simulator only): first in line, and its admin
+        # endpoint /_sim/faults is answered there.
+        self.faults = FaultInjector(self)
+        self.interceptors: list[Interceptor] = [self.faults.intercept]
         # Values of SGLang's own settable keys, as reported in /server_info.
         self.settable: dict[str, Any] = dict(SGLANG_SETTABLE)
         self._routes: dict[tuple[str, str], Callable[[HttpRequest], HttpResponse]] = {
@@ -242,6 +248,7 @@ class SimServer:
     def stop(self) -> None:
         """Stop serving and driving; waiting /generate calls get 503."""
         self._stop.set()
+        self.faults.release_stalled()
         if self._httpd is not None:
             self._httpd.shutdown()
             self._httpd.server_close()
@@ -816,14 +823,18 @@ def _make_handler(server: SimServer) -> type[BaseHTTPRequestHandler]:
             if resp is None:  # an interceptor dropped the connection
                 self.close_connection = True
                 return
-            self.send_response(resp.status)
-            self.send_header("Content-Type", resp.content_type)
-            self.send_header("Content-Length", str(len(resp.body)))
-            for k, v in resp.headers.items():
-                self.send_header(k, v)
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(resp.body)
+            try:
+                self.send_response(resp.status)
+                self.send_header("Content-Type", resp.content_type)
+                self.send_header("Content-Length", str(len(resp.body)))
+                for k, v in resp.headers.items():
+                    self.send_header(k, v)
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(resp.body)
+            except (BrokenPipeError, ConnectionResetError):
+                # The client gave up first (its timeout beat a slow or stalled reply).
+                self.close_connection = True
 
         do_GET = do_POST = do_PUT = do_DELETE = do_HEAD = _handle
 
