@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
+from test_report import FINAL_TABLE, SERVER, T0, simulate_history
 
 from policies import Buckets
 from storage import ObservationRecord, ServerSeen, Storage
-from test_report import FINAL_TABLE, SERVER, T0, simulate_history
 from tuner.errors import ConfigError
 from tuner.export import (
     export,

@@ -347,7 +347,8 @@ class MetricsSampler:
         mean_bs = sum_bs / n
         var_bs = max(0.0, (m1.sum_bs2 - m0.sum_bs2) / n - mean_bs * mean_bs)
         if math.sqrt(var_bs) > self.max_bs_rsd * mean_bs:
-            return None, f"batch size spread too wide (mean {mean_bs:.1f}, sd {var_bs**.5:.1f})", True
+            spread = f"mean {mean_bs:.1f}, sd {math.sqrt(var_bs):.1f}"
+            return None, f"batch size spread too wide ({spread})", True
         b = max(1, round(mean_bs))
         accepted = max(0, round(generated - sum_bs))
         return self._finish(

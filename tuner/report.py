@@ -27,7 +27,7 @@ import re
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -982,7 +982,9 @@ def render_html(report: Report, plots: dict[str, dict[str, bytes]] | None = None
             parts.append("<p>Metrics-only mode (no dynspec plugin): coarse per-interval "
                          "observations of the arm the server ran; nothing was pushed.</p>")
         if s.crossover_b is not None:
-            parts.append(f"<p><b>Speculation stops paying from batch size {s.crossover_b}.</b></p>")
+            parts.append(
+                f"<p><b>Speculation stops paying from batch size {s.crossover_b}.</b></p>"
+            )
         c = s.counts
         parts.append(
             f"<p>pushes {c['pushes']} &middot; rejected updates {c['rejected_updates']} "
@@ -1104,8 +1106,6 @@ def write_report(
 
 
 def _with_plots(s: ServerReport, files: dict[str, str]) -> ServerReport:
-    from dataclasses import replace
-
     return replace(s, plots=files)
 
 
