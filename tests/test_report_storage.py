@@ -2,35 +2,15 @@
 
 from __future__ import annotations
 
-import os
-import uuid
-from pathlib import Path
-
 import pytest
 
 from storage import ObservationRecord, Storage
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def url(request: pytest.FixtureRequest, tmp_path: Path):
-    """A fresh database: an SQLite file, and PostgreSQL when DYNSPEC_TEST_POSTGRES_URL is set."""
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'h.db'}"
-        return
-    base = os.environ.get("DYNSPEC_TEST_POSTGRES_URL")
-    if not base:
-        pytest.skip("DYNSPEC_TEST_POSTGRES_URL is not set")
-    from sqlalchemy import create_engine, text
-
-    schema = f"t_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(base)
-    with admin.begin() as c:
-        c.execute(text(f"CREATE SCHEMA {schema}"))
-    sep = "&" if "?" in base else "?"
-    yield f"{base}{sep}options=-csearch_path%3D{schema}"
-    with admin.begin() as c:
-        c.execute(text(f"DROP SCHEMA {schema} CASCADE"))
-    admin.dispose()
+@pytest.fixture
+def url(db_url: str) -> str:
+    """A fresh database on each backend (tests/conftest.py: SQLite, then PostgreSQL)."""
+    return db_url
 
 
 def _obs(ts: float, b: int, k: int, e: int, t: float, server: str = "s:1") -> ObservationRecord:

@@ -1,4 +1,5 @@
-"""Storage on real SQLite files in tmp_path."""
+"""Storage on real SQLite files in tmp_path; tests taking ``db_url`` (tests/conftest.py) run
+on PostgreSQL too: the storage contract."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def test_exported_names_match_all():
     assert set(storage.__all__) == public - modules
 
 
-def test_round_trip(url):
+def test_round_trip(db_url):
+    url = db_url
     with Storage(url) as st:
         st.record_tick(
             servers=[ServerSeen(A, (0, 1, 3), seen_at=100.0, started_at=50.0, pool="p1")],
@@ -59,7 +61,8 @@ def test_round_trip(url):
         assert st.schema_version == storage.SCHEMA_VERSION
 
 
-def test_server_sightings_update_last_seen_and_start_times(url):
+def test_server_sightings_update_last_seen_and_start_times(db_url):
+    url = db_url
     with Storage(url) as st:
         st.record_tick(servers=[ServerSeen(A, (0, 1), seen_at=1.0, started_at=0.5)])
         st.record_tick(servers=[ServerSeen(A, (0, 1), seen_at=2.0, started_at=0.5)])
@@ -72,7 +75,8 @@ def test_server_sightings_update_last_seen_and_start_times(url):
         assert st.server("nobody:1") is None
 
 
-def test_filters_and_aggregate_in_sql(url):
+def test_filters_and_aggregate_in_sql(db_url):
+    url = db_url
     with Storage(url) as st:
         st.record_tick(
             observations=[obs(A, 1.0, 4, 3), obs(A, 2.0, 4, 3, steps=30, busy=0.2), obs(B, 1.0, 4, 3)]
@@ -94,7 +98,8 @@ def test_filters_and_aggregate_in_sql(url):
         assert [a.rows for a in st.aggregate(server=A, since=2.0)] == [1, 1]
 
 
-def test_warm_start_returns_latest_rows_of_the_arms_oldest_first(url):
+def test_warm_start_returns_latest_rows_of_the_arms_oldest_first(db_url):
+    url = db_url
     with Storage(url) as st:
         st.record_tick(
             observations=[obs(A, float(t), 4, t % 3) for t in range(10)] + [obs(B, 5.0, 4, 0)]
@@ -105,7 +110,8 @@ def test_warm_start_returns_latest_rows_of_the_arms_oldest_first(url):
         assert st.warm_start("nobody:1", arms=(0,)) == []
 
 
-def test_events_filters_include_daemon_events(url):
+def test_events_filters_include_daemon_events(db_url):
+    url = db_url
     with Storage(url) as st:
         st.record_tick(
             events=[

@@ -311,7 +311,7 @@ class FaultInjector:
                             body = {**body, "paths": tuple(body["paths"])}
                         fault = Fault(**body)
                     else:
-                        raise ValueError("body must be a fault object or its --fault text")
+                        raise TypeError("body must be a fault object or its --fault text")
                 except (ValueError, TypeError, UnicodeDecodeError) as exc:
                     return HttpResponse.json({"detail": f"bad fault: {exc}"}, 422)
                 return HttpResponse.json({"id": self.add(fault), **fault.to_json()})
