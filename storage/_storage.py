@@ -4,13 +4,25 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import Double, Engine, Integer, cast, create_engine, event, func, insert, select
+from sqlalchemy import (
+    Double,
+    Engine,
+    Integer,
+    cast,
+    create_engine,
+    event,
+    func,
+    insert,
+    or_,
+    select,
+)
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
@@ -123,6 +135,12 @@ class Storage:
 
     def _error(self, what: str, exc: BaseException) -> StorageError:
         msg = f"{self.url}: {what}: {_explain(exc)}"
+        path = self._sqlite_path()
+        if path and "unable to open" in msg and os.path.exists(path) and not os.access(
+            path, os.W_OK
+        ):
+            # SQLite says "unable to open" when WAL's side files cannot be created.
+            msg += " - the file or its filesystem is read-only"
         password = None
         try:
             password = make_url(self._raw_url).password
@@ -138,6 +156,13 @@ class Storage:
         except ArgumentError as exc:
             raise StorageError(f"{self.url}: not a database URL ({exc})") from exc
         is_sqlite = parsed.get_backend_name() == "sqlite"
+        if parsed.drivername == "postgresql":
+            # A bare postgresql:// means psycopg2 to SQLAlchemy; our `postgres` extra installs
+            # psycopg 3, so use it unless psycopg2 is there.
+            try:
+                import psycopg2  # noqa: F401
+            except ImportError:
+                parsed = parsed.set(drivername="postgresql+psycopg")
         kwargs: dict[str, Any] = {"echo": echo}
         if is_sqlite:
             kwargs["connect_args"] = {"timeout": busy_timeout_s}
@@ -220,6 +245,16 @@ class Storage:
                 f"{self.url}: the history uses schema v{row.version}, newer than this "
                 f"dynspec-tuner understands (v{SCHEMA_VERSION}); upgrade dynspec-tuner"
             )
+
+    def _sqlite_path(self) -> str | None:
+        try:
+            parsed = make_url(self._raw_url)
+        except Exception:
+            return None
+        if parsed.get_backend_name() != "sqlite" or not parsed.database:
+            return None
+        db = parsed.database
+        return None if db == ":memory:" or db.startswith("file:") else db
 
     def close(self) -> None:
         """Release the connection pool."""
@@ -611,19 +646,59 @@ class Storage:
         arms: Iterable[int],
         since: float | None = None,
         limit: int = DEFAULT_WARM_START_ROWS,
+        pool: str | None = None,
     ) -> list[ObservationRecord]:
         """The latest ``limit`` observations of ``server`` at one of ``arms``, oldest first:
         what a restarted daemon replays into a fresh policy. Buckets need no filter:
-        observations keep the raw batch size, so any bucketing can be rebuilt from them."""
+        observations keep the raw batch size, so any bucketing can be rebuilt from them.
+
+        With ``pool``, the rows of every server recorded in that pool (identical replicas,
+        ``run --pool``) count as well as the server's own."""
+        q = self._obs_query(None if pool is not None else server, since, None, arms)
+        if pool is not None:
+            q = q.where(or_(ServerModel.address == server, ServerModel.pool == pool))
         q = (
-            self._obs_query(server, since, None, arms)
-            .order_by(ObservationModel.ts.desc(), ObservationModel.id.desc())
+            q.order_by(ObservationModel.ts.desc(), ObservationModel.id.desc())
             .limit(limit)
         )
         with self._session_scope("reading observations for a warm start") as s:
             rows = [ObservationRecord(*row) for row in s.execute(q)]
         rows.reverse()
         return rows
+
+    def last_observation_id(self) -> int:
+        """The highest observation id stored (0 when none): where a pool reader starts."""
+        with self._session_scope("reading the last observation id") as s:
+            return int(s.scalar(select(func.max(ObservationModel.id))) or 0)
+
+    def pool_observations(
+        self,
+        pool: str,
+        *,
+        after_id: int,
+        arms: Iterable[int] | None = None,
+        exclude: Iterable[str] = (),
+        limit: int = DEFAULT_WARM_START_ROWS,
+    ) -> list[tuple[int, ObservationRecord]]:
+        """Observations of the servers in ``pool`` but not in ``exclude``, with an id above
+        ``after_id``, in id order and paired with their id: how a daemon follows what its
+        pool-mates record (live pooling across daemons sharing one database).
+
+        Ids grow with every insert, but a transaction that commits late may hold ids below
+        rows already read; a reader that must miss nothing re-reads a window below its cursor
+        and drops the ids it has seen."""
+        q = (
+            self._obs_query(None, None, None, arms)
+            .add_columns(ObservationModel.id)
+            .where(ServerModel.pool == pool, ObservationModel.id > after_id)
+            .order_by(ObservationModel.id)
+            .limit(limit)
+        )
+        skip = sorted(set(exclude))
+        if skip:
+            q = q.where(ServerModel.address.not_in(skip))
+        with self._session_scope("reading the pool's observations") as s:
+            return [(int(row[-1]), ObservationRecord(*row[:-1])) for row in s.execute(q)]
 
     @staticmethod
     def _version_record(address: str, m: PolicyVersionModel) -> PolicyVersionRecord:
