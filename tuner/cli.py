@@ -216,7 +216,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 f"{st.pushes} pushes",
                 markup=False,
             )
-        console.print(f"history: {config.db_url.split('@')[-1]}", markup=False)
+        from storage import redact_url
+
+        console.print(f"history: {redact_url(config.db_url)}", markup=False)
     return 0
 
 
