@@ -74,6 +74,17 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
         "DYNSPEC_SERVERS=a:1,b:2)",
     )
     p.add_argument(
+        "--servers-file", metavar="F",
+        help="a file listing servers, one HOST:PORT a line (# comments); adds to --server "
+        "(DYNSPEC_SERVERS_FILE). Each server is read on its own with its own timeout",
+    )
+    p.add_argument(
+        "--pool", metavar="NAME",
+        help="identical replicas (same model, arms, hardware) share NAME: each learns from "
+        "all their observations in the database, live and at warm start; every daemon still "
+        "pushes only to its own servers (DYNSPEC_POOL)",
+    )
+    p.add_argument(
         "--db", dest="db_url", metavar="URL",
         help=f"history database, an SQLAlchemy URL (default {c.DEFAULT_DB_URL}; with "
         f"--simulate {c.DEFAULT_SIM_DB_URL}; DYNSPEC_DB)",
@@ -130,10 +141,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
         given = [flag for flag, v in sim_only.items() if v is not None]
         if given:
             raise ConfigError(f"{given[0]} needs --simulate")
-    elif args.servers:
+    elif args.servers or args.servers_file:
         raise ConfigError("--simulate starts its own server; drop --server")
     flags = {
         "servers": tuple(args.servers or ()),
+        "servers_file": args.servers_file,
+        "pool": args.pool,
         "db_url": args.db_url,
         "policy": args.policy,
         "interval_s": args.interval_s,

@@ -38,6 +38,7 @@ __all__ = [
     "TunerConfig",
     "normalize_server",
     "read_api_key_file",
+    "read_servers_file",
 ]
 
 ENV_PREFIX = "DYNSPEC_"
@@ -71,6 +72,7 @@ DEFAULT_SIM_MAX_RUNNING = 256
 # A simulated run keeps its own history, apart from real servers'.
 DEFAULT_SIM_DB_URL = "sqlite:///dynspec-sim.db"
 
+_POOL_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _HOST_PORT = re.compile(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})$")
 
 
@@ -116,6 +118,31 @@ def read_api_key_file(path: str | os.PathLike[str]) -> str:
     return key
 
 
+def read_servers_file(path: str | os.PathLike[str]) -> tuple[str, ...]:
+    """Servers listed in a file, one ``HOST:PORT`` a line (``#`` starts a comment).
+
+    Raises:
+        ConfigError: naming the file, and the line of a bad entry.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"servers file {str(p)!r}: cannot read it ({exc})") from exc
+    servers: list[str] = []
+    for n, line in enumerate(text.splitlines(), 1):
+        entry = line.split("#", 1)[0].strip()
+        if not entry:
+            continue
+        try:
+            servers.append(normalize_server(entry))
+        except ConfigError as exc:
+            raise ConfigError(f"servers file {str(p)!r} line {n}: {exc}") from exc
+    if not servers:
+        raise ConfigError(f"servers file {str(p)!r} lists no server")
+    return tuple(servers)
+
+
 def _positive(name: str, value: float) -> None:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
         raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
@@ -138,6 +165,8 @@ class TunerConfig:
         timeout_s: per HTTP call.
         backoff_max_s: longest wait between retries of an unreachable server.
         seed: seeds the policies.
+        pool: a name for identical replicas (same model, arms and hardware): servers recorded
+            under one pool learn from each other's observations; None = no pooling.
     """
 
     servers: tuple[str, ...] = (DEFAULT_SERVER,)
@@ -152,10 +181,15 @@ class TunerConfig:
     timeout_s: float = DEFAULT_TIMEOUT_S
     backoff_max_s: float = DEFAULT_BACKOFF_MAX_S
     seed: int = 0
+    pool: str | None = None
 
     def __post_init__(self) -> None:
         if not self.servers:
             raise ConfigError("at least one --server is needed")
+        if self.pool is not None and not _POOL_NAME.match(self.pool):
+            raise ConfigError(
+                f"pool {self.pool!r} must be 1-64 letters, digits or . _ - (e.g. h200-llama8b)"
+            )
         servers = tuple(normalize_server(s) for s in self.servers)
         dupes = sorted({s for s in servers if servers.count(s) > 1})
         if dupes:
@@ -204,9 +238,10 @@ class TunerConfig:
         ``defaults`` (fields whose default differs for this use, e.g. ``run --simulate``'s
         database) over the class defaults.
 
-        Flags: ``servers, db_url, policy, interval_s, decision_period_s, buckets,
-        api_key_file, dry_run, duration_s, timeout_s, seed``. Variables:
-        ``DYNSPEC_SERVERS`` (comma-separated), ``DYNSPEC_DB``, ``DYNSPEC_POLICY``,
+        Flags: ``servers, servers_file, db_url, policy, interval_s, decision_period_s,
+        buckets, api_key_file, dry_run, duration_s, timeout_s, seed, pool``. Variables:
+        ``DYNSPEC_SERVERS`` (comma-separated), ``DYNSPEC_SERVERS_FILE``, ``DYNSPEC_POOL``,
+        ``DYNSPEC_DB``, ``DYNSPEC_POLICY``,
         ``DYNSPEC_INTERVAL``, ``DYNSPEC_DECISION_PERIOD``, ``DYNSPEC_BUCKETS``,
         ``DYNSPEC_API_KEY``, ``DYNSPEC_API_KEY_FILE``, ``DYNSPEC_DRY_RUN``,
         ``DYNSPEC_DURATION``, ``DYNSPEC_TIMEOUT``, ``DYNSPEC_SEED``.
@@ -244,7 +279,15 @@ class TunerConfig:
                 return False
             raise ValueError("expected 1/0, true/false, yes/no or on/off")
 
+        # --servers-file adds to --server; the file variable only counts without either.
+        servers_file = flags.get("servers_file")
+        if servers_file is None and not flags.get("servers"):
+            servers_file = env.get(ENV_PREFIX + "SERVERS_FILE", "").strip() or None
+        if servers_file is not None:
+            listed = read_servers_file(servers_file)
+            flags = {**flags, "servers": tuple(flags.get("servers") or ()) + listed}
         pick("servers", "SERVERS", csv_str)
+        pick("pool", "POOL", str)
         pick("db_url", "DB", str)
         pick("policy", "POLICY", str)
         pick("interval_s", "INTERVAL", float)

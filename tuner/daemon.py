@@ -10,10 +10,16 @@ One :class:`Daemon` drives every server of a :class:`~tuner.config.TunerConfig`.
 4. each decision period, ask the policy for a table and push it when it differs, with a
    version above anything the server or the history has seen;
 
-then write everything the tick produced in one transaction. A failing server is retried with
-backoff and reported once per outage; a failing database is retried every tick with the rows
-kept in memory. On stop, each server gets its greedy table (never an exploration table) and
-the history is flushed.
+then write everything the tick produced in one transaction. With several servers each is
+read on its own worker thread with its own timeout, so a slow or failing server never stalls
+the others (and is not asked again while its last request is still out). A failing server is
+retried with backoff and reported once per outage; a failing database is retried every tick
+with the rows kept in memory. A table the server refused is not pushed again; a version the
+server reports above anything this daemon sent means another tuner (or an operator) is
+pushing: the daemon then stops pushing to that server and only observes. With a ``pool``,
+each tick also feeds every policy what the pool's other replicas recorded (warm start too).
+On stop, each server gets its greedy table (never an exploration table) and the history is
+flushed.
 
 Time and waiting are injected (``clock``, ``wait``) so tests drive ticks with a fake clock.
 """
@@ -26,6 +32,8 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +60,7 @@ from tuner.protocol import DynspecState, ProtocolError, Table, format_table, val
 __all__ = [
     "DEFAULT_MAX_BUFFERED_ROWS",
     "DEFAULT_PLUGIN_RECHECK_S",
+    "DEFAULT_POOL_LOOKBACK_IDS",
     "Daemon",
     "DaemonStatus",
     "PushInfo",
@@ -67,6 +76,10 @@ DEFAULT_MAX_BUFFERED_ROWS = 200_000
 # A server in metrics-only mode is asked again for the plugin's section this often, so a
 # server restarted with the plugin is picked up without restarting the daemon.
 DEFAULT_PLUGIN_RECHECK_S = 60.0
+# Live pooling re-reads this many observation ids below its cursor: another daemon's
+# transaction may commit after rows with higher ids were read (PostgreSQL allocates ids at
+# insert, not at commit). A few ticks of a large fleet fit in it.
+DEFAULT_POOL_LOOKBACK_IDS = 2_000
 
 PolicyFactory = Callable[[tuple[int, ...], Buckets], BasePolicy]
 
@@ -101,6 +114,9 @@ class ServerStatus:
     interval_goodput: float  # emitted tokens per busy second over the last tick (NaN: none)
     pushes: int
     restarts: int
+    errors: int = 0  # failed readings and pushes (every one, though each streak logs once)
+    read_only: bool = False  # another tuner pushes to this server: observe, never push
+    pooled: int = 0  # pool-mates' observations fed to the policy
 
 
 @dataclass(frozen=True)
@@ -159,13 +175,42 @@ class _Server:
     pushes: int = 0
     restarts: int = 0
     rejected_seen: list[int] = field(default_factory=list)
+    errors: int = 0
+    # Versions: the server's at the first reading (or after a restart), and the highest one
+    # this daemon sent that may have been applied. A server version above both is foreign.
+    baseline_version: int = 0
+    sent_version: int = 0
+    read_only: bool = False
+    rejected_table: Table | None = None  # refused by every replica: not pushed again
+    pending_rejection: str | None = None  # a refusal to record if the plugin gives no reason
+    pool_inbox: collections.deque = field(default_factory=collections.deque)
+    pool_from_id: int = 0  # pool rows up to this id are in the warm start
+    pooled: int = 0
+    future: Future | None = None  # the worker reading this server, while it runs
+    status: ServerStatus | None = None  # as last published
+
+
+class _Snapshot:
+    """Buffer contents taken for one write (or given back when the write failed)."""
+
+    __slots__ = ("servers", "observations", "versions", "events")
+
+    def __init__(self, servers, observations, versions, events) -> None:  # noqa: ANN001
+        self.servers: dict[tuple[str, float | None], ServerSeen] = servers
+        self.observations: collections.deque[ObservationRecord] = observations
+        self.versions: list[PolicyVersionRecord] = versions
+        self.events: list[EventRecord] = events
 
 
 class _Buffer:
-    """Rows waiting for the database: everything since the last successful write."""
+    """Rows waiting for the database: everything since the last successful write.
+
+    Thread-safe: server workers add rows while the main thread writes them.
+    """
 
     def __init__(self, max_rows: int) -> None:
         self.max_rows = max_rows
+        self.lock = threading.Lock()
         self.servers: dict[tuple[str, float | None], ServerSeen] = {}
         self.observations: collections.deque[ObservationRecord] = collections.deque()
         self.versions: list[PolicyVersionRecord] = []
@@ -175,22 +220,54 @@ class _Buffer:
     def __len__(self) -> int:
         return len(self.observations) + len(self.versions) + len(self.events)
 
-    def add_observations(self, rows: Iterable[ObservationRecord]) -> None:
-        self.observations.extend(rows)
+    def _trim(self) -> None:
         excess = len(self) - self.max_rows
         while excess > 0 and self.observations:
             self.observations.popleft()
             self.dropped += 1
             excess -= 1
 
+    def add_observations(self, rows: Iterable[ObservationRecord]) -> None:
+        with self.lock:
+            self.observations.extend(rows)
+            self._trim()
+
+    def add_version(self, row: PolicyVersionRecord) -> None:
+        with self.lock:
+            self.versions.append(row)
+
+    def add_event(self, row: EventRecord) -> None:
+        with self.lock:
+            self.events.append(row)
+
     def seen(self, row: ServerSeen) -> None:
-        self.servers[(row.address, row.started_at)] = row
+        with self.lock:
+            self.servers[(row.address, row.started_at)] = row
+
+    def pending(self, server: str) -> list[ObservationRecord]:
+        with self.lock:
+            return [o for o in self.observations if o.server == server]
+
+    def take(self) -> _Snapshot:
+        """Everything buffered, leaving the buffer empty."""
+        with self.lock:
+            snap = _Snapshot(self.servers, self.observations, self.versions, self.events)
+            self.servers, self.observations = {}, collections.deque()
+            self.versions, self.events = [], []
+            return snap
+
+    def give_back(self, snap: _Snapshot) -> None:
+        """Put rows whose write failed back in front of anything added since."""
+        with self.lock:
+            self.servers = {**snap.servers, **self.servers}
+            snap.observations.extend(self.observations)
+            self.observations = snap.observations
+            self.versions = snap.versions + self.versions
+            self.events = snap.events + self.events
+            self._trim()
 
     def clear(self) -> None:
-        self.servers.clear()
-        self.observations.clear()
-        self.versions.clear()
-        self.events.clear()
+        self.take()
 
 
 class Daemon:
@@ -254,6 +331,15 @@ class Daemon:
             raise ConfigError(f"no client for server {missing[0]}")
         self._servers = [_Server(address=s, client=clients[s]) for s in config.servers]
         self._buffer = _Buffer(max_buffered_rows)
+        # One worker per server when there are several: each read has its own timeout and a
+        # slow server holds only its own worker.
+        self._executor = (
+            ThreadPoolExecutor(max_workers=len(self._servers), thread_name_prefix="dynspec-srv")
+            if len(self._servers) > 1
+            else None
+        )
+        self._pool_cursor: int | None = None  # live pooling: last observation id read
+        self._pool_seen: set[int] = set()
         self._storage_down_since: float | None = None
         self._ticks = 0
         self._started = False
@@ -313,19 +399,27 @@ class Daemon:
             ",".join(map(str, self.buckets.edges)),
             self.storage.url if self.storage else "memory only",
         )
-        self._buffer.events.append(
+        self._buffer.add_event(
             EventRecord(None, self.clock(), "start", f"policy={self.config.policy} {mode}")
         )
+        if self.config.pool is not None and self.storage is not None:
+            log.info("pool %s: learning from every server recorded in it", self.config.pool)
 
     def shutdown(self) -> None:
         """Leave every reachable server on its greedy table, flush the history, close."""
         if self._closed:
             return
         self._closed = True
+        # Readings still out end within their own timeout; then nothing runs concurrently.
+        for srv in self._servers:
+            if srv.future is not None:
+                wait_futures([srv.future])
+                srv.future = None
         now = self.clock()
         for srv in self._servers:
             if (
                 self.config.dry_run
+                or srv.read_only
                 or srv.mode != "plugin"
                 or srv.policy is None
                 or srv.down_since is not None
@@ -334,7 +428,7 @@ class Daemon:
             greedy = srv.policy.greedy()
             if greedy != srv.server_table:
                 self._push(srv, greedy, "shutdown: greedy table", now)
-        self._buffer.events.append(EventRecord(None, now, "stop", ""))
+        self._buffer.add_event(EventRecord(None, now, "stop", ""))
         if not self._flush(now) and self.storage is not None:
             log.error(
                 "history: %d rows could not be written to %s and are lost",
@@ -344,6 +438,8 @@ class Daemon:
         if self._own_clients:
             for srv in self._servers:
                 srv.client.close()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
 
     # --- one tick ---------------------------------------------------------------------------
 
@@ -352,22 +448,40 @@ class Daemon:
         if not self._started:
             self._start()
         now = self.clock()
+        self._read_pool()
         n_obs = n_push = 0
-        for srv in self._servers:
-            if now < srv.next_attempt:
-                continue
-            try:
-                o, p = self._tick_server(srv, now)
-            except Exception as exc:  # a bug for one server must not stop the others
-                log.exception("%s: unexpected error in the tick", srv.address)
-                self._trouble(srv, now, "malformed_reply", f"internal error: {exc!r}")
-                continue
-            n_obs += o
-            n_push += p
+        due = [s for s in self._servers if now >= s.next_attempt and s.future is None]
+        if self._executor is None:
+            for srv in due:
+                o, p = self._tick_guarded(srv, now)
+                n_obs += o
+                n_push += p
+        else:
+            for srv in due:
+                srv.future = self._executor.submit(self._tick_guarded, srv, now)
+            # Wait for the tick's readings, but never longer than an interval: a server that
+            # is slower keeps its worker and is skipped until it answers or times out.
+            running = [s.future for s in self._servers if s.future is not None]
+            wait_futures(running, timeout=self.config.interval_s)
+            for srv in self._servers:
+                if srv.future is not None and srv.future.done():
+                    o, p = srv.future.result()
+                    srv.future = None
+                    if srv in due:
+                        n_obs += o
+                        n_push += p
         stored = self._flush(now)
         self._ticks += 1
         self._publish(now)
         return TickSummary(ts=now, observations=n_obs, pushes=n_push, stored=stored)
+
+    def _tick_guarded(self, srv: _Server, now: float) -> tuple[int, int]:
+        try:
+            return self._tick_server(srv, now)
+        except Exception as exc:  # a bug for one server must not stop the others
+            log.exception("%s: unexpected error in the tick", srv.address)
+            self._trouble(srv, now, "malformed_reply", f"internal error: {exc!r}")
+            return 0, 0
 
     def _tick_server(self, srv: _Server, now: float) -> tuple[int, int]:
         try:
@@ -416,16 +530,43 @@ class Daemon:
             # Start the first decision one period from now, after seeing the server's own
             # table at work; a restart re-push still goes out at once.
             srv.last_decision = now
+        first = srv.prev is None
+        restarts = srv.restarts
         srv.version = max(srv.version, *(s.policy_version for s in states))
         tables = {s.table for s in states}
         srv.server_table = states[0].table if len(tables) == 1 else None
         if len(tables) > 1 and srv.desired is not None:
             srv.needs_push = True  # replicas disagree: bring them back in step
         srv.started_at = states[0].started_at
-        self._buffer.seen(ServerSeen(srv.address, arms, now, srv.started_at))
+        self._buffer.seen(ServerSeen(srv.address, arms, now, srv.started_at, self.config.pool))
         observations = self._deltas(srv, states, now)
         srv.prev = states
+        server_version = max(s.policy_version for s in states)
+        if first or srv.restarts != restarts:
+            # Whatever the server runs now (its default, a table installed at start) is the
+            # baseline; only versions above it and above ours are someone else's.
+            srv.baseline_version, srv.sent_version = server_version, 0
+        elif server_version > max(srv.baseline_version, srv.sent_version):
+            top = max(states, key=lambda st: st.policy_version)
+            self._foreign_push(srv, now, server_version, top.table)
         return observations
+
+    def _foreign_push(self, srv: _Server, now: float, version: int, table: Table) -> None:
+        """Someone else pushed a table: two tuners on one server would fight over it."""
+        srv.baseline_version = version
+        if srv.read_only or self.config.dry_run:
+            return
+        srv.read_only = True
+        srv.needs_push = False
+        ours = f"v{srv.sent_version}" if srv.sent_version else "nothing yet"
+        detail = (
+            f"the server runs v{version} {format_table(table)}, which this daemon did not "
+            f"send (it sent {ours}): another tuner or an operator is pushing tables. This "
+            "daemon stops pushing to it and only observes (learning and history go on); "
+            "stop the other one, or run one of them with --dry-run, then restart this one"
+        )
+        log.error("%s: %s", srv.address, detail)
+        self._event(srv.address, now, "foreign_push", detail)
 
     def _deltas(self, srv: _Server, states: list[DynspecState], now: float) -> list[Observation]:
         prev = srv.prev
@@ -439,6 +580,16 @@ class Daemon:
             srv.rejected_seen = [s.updates_rejected for s in states]
             return []
         merged: dict[tuple[int, int], list[float]] = {}
+        pending, srv.pending_rejection = srv.pending_rejection, None
+        if pending is not None and not any(
+            s.updates_rejected > (srv.rejected_seen[i] if i < len(srv.rejected_seen)
+                                  else p.updates_rejected)
+            for i, (p, s) in enumerate(zip(prev, states, strict=True))
+        ):
+            # SGLang said no but the plugin counted nothing: SGLang itself refused the keys.
+            self._event(srv.address, now, "update_rejected", pending)
+            if self.metrics is not None:
+                self.metrics.record_rejected_update(srv.address)
         for i, (p, s) in enumerate(zip(prev, states)):
             seen = srv.rejected_seen[i] if i < len(srv.rejected_seen) else p.updates_rejected
             if s.updates_rejected > seen:
@@ -482,6 +633,7 @@ class Daemon:
 
     def _restart(self, srv: _Server, now: float, detail: str) -> None:
         srv.restarts += 1
+        srv.rejected_table = None
         self._event(srv.address, now, "restart", detail)
         if self.metrics is not None:
             self.metrics.record_restart(srv.address)
@@ -523,7 +675,7 @@ class Daemon:
             arms = tuple(sorted(set(srv.arms) | ks)) or ()
             if arms:
                 self._build_policy(srv, arms)
-        self._buffer.seen(ServerSeen(srv.address, srv.arms, now, None))
+        self._buffer.seen(ServerSeen(srv.address, srv.arms, now, None, self.config.pool))
         return observations
 
     # --- learning and deciding --------------------------------------------------------------
@@ -535,7 +687,9 @@ class Daemon:
         rows: list[ObservationRecord] = []
         if self.storage is not None:
             try:
-                rows = self.storage.warm_start(srv.address, arms=arms)
+                if self.config.pool is not None:
+                    srv.pool_from_id = self.storage.last_observation_id()
+                rows = self.storage.warm_start(srv.address, arms=arms, pool=self.config.pool)
                 latest = self.storage.latest_policy_version(srv.address)
                 if latest is not None:
                     srv.version = max(srv.version, latest.version)
@@ -543,7 +697,7 @@ class Daemon:
                 log.warning("%s: no warm start, the history is unavailable: %s",
                             srv.address, exc)
         allowed = set(arms)
-        pending = [o for o in self._buffer.observations if o.server == srv.address]
+        pending = self._buffer.pending(srv.address)
         used = steps = 0
         for r in [*rows, *pending]:
             if r.k not in allowed:
@@ -555,13 +709,23 @@ class Daemon:
                 used += 1
                 steps += r.decode_steps
         if used:
-            log.info("%s: warm start from %d stored observations (%d decode steps)",
-                     srv.address, used, steps)
+            pooled = f" (pool {self.config.pool})" if self.config.pool is not None else ""
+            log.info("%s: warm start from %d stored observations%s (%d decode steps)",
+                     srv.address, used, pooled, steps)
         srv.policy = policy
+        srv.pool_inbox.clear()
 
     def _learn(self, srv: _Server, observations: Sequence[Observation], now: float) -> int:
         if srv.policy is None:
             return 0
+        allowed = set(srv.arms)
+        while srv.pool_inbox:
+            row_id, r = srv.pool_inbox.popleft()
+            if row_id > srv.pool_from_id and r.k in allowed and srv.policy.update(
+                Observation(r.b, r.k, r.decode_steps, r.emitted_tokens, r.accepted_drafts,
+                            r.drafted_tokens, r.busy_s)
+            ):
+                srv.pooled += 1
         records = []
         used = steps = emitted = 0
         busy = 0.0
@@ -587,7 +751,7 @@ class Daemon:
         return used
 
     def _decide(self, srv: _Server, now: float) -> int:
-        if srv.mode != "plugin" or srv.policy is None:
+        if srv.mode != "plugin" or srv.policy is None or srv.read_only:
             return 0
         due = srv.last_decision is None or now - srv.last_decision >= self.config.decision_period_s
         if not due and not srv.needs_push:
@@ -621,6 +785,11 @@ class Daemon:
         if proposal == srv.server_table:
             srv.needs_push = False
             return 0
+        if proposal == srv.rejected_table:
+            # Refused by every replica already: the same table would be refused again.
+            srv.needs_push = False
+            log.debug("%s: not pushing %s again (refused)", srv.address, format_table(proposal))
+            return 0
         return self._push(srv, proposal, reason, now)
 
     def _push(self, srv: _Server, table: Table, reason: str, now: float) -> int:
@@ -628,12 +797,16 @@ class Daemon:
         try:
             reply = srv.client.push(table, version)
         except ServerUnavailableError as exc:
+            # It may have been applied before the connection broke: never call it foreign.
+            srv.sent_version = max(srv.sent_version, version)
             self._record_version(srv, now, version, table, reason, "unsent")
             self._trouble(srv, now, "outage", str(exc))
             return 0
         except (ServerError, ProtocolError) as exc:
             srv.version = version
             srv.needs_push = False
+            srv.rejected_table = table
+            srv.errors += 1
             self._record_version(srv, now, version, table, reason, "rejected")
             self._event(srv.address, now, "update_rejected", str(exc))
             log.warning("%s: push of v%d refused: %s", srv.address, version, exc)
@@ -642,9 +815,12 @@ class Daemon:
             return 0
         # The version is spent either way: a replica that refused it compares the next one.
         srv.version = version
+        if any(reply):
+            srv.sent_version = max(srv.sent_version, version)
         if all(reply):
             srv.server_table = table
             srv.needs_push = False
+            srv.rejected_table = None
             srv.pushes += 1
             self._record_version(srv, now, version, table, reason, "applied")
             log.info("%s: pushed v%d %s (%s)", srv.address, version, format_table(table), reason)
@@ -655,6 +831,9 @@ class Daemon:
         # Partly applied: replicas now disagree; the next decision pushes to all again.
         srv.server_table = None if len(refused) < len(reply) else srv.server_table
         srv.needs_push = False
+        if len(refused) == len(reply):
+            srv.rejected_table = table
+        srv.pending_rejection = f"v{version} {format_table(table)} refused by replica(s) {refused}"
         self._record_version(srv, now, version, table, reason, "rejected")
         log.warning("%s: v%d refused by replica(s) %s; their reason follows on the next reading",
                     srv.address, version, refused)
@@ -665,6 +844,7 @@ class Daemon:
     def _trouble(self, srv: _Server, now: float, kind: str, message: str) -> None:
         """A failed reading or push: back off, and say so once per streak."""
         srv.last_error = message
+        srv.errors += 1
         first = srv.down_since is None
         if first:
             srv.down_since = now
@@ -700,12 +880,12 @@ class Daemon:
     # --- history ----------------------------------------------------------------------------
 
     def _event(self, server: str | None, now: float, kind: str, detail: str) -> None:
-        self._buffer.events.append(EventRecord(server, now, kind, detail[:2000]))
+        self._buffer.add_event(EventRecord(server, now, kind, detail[:2000]))
 
     def _record_version(
         self, srv: _Server, now: float, version: int, table: Table, reason: str, outcome: str
     ) -> None:
-        self._buffer.versions.append(
+        self._buffer.add_version(
             PolicyVersionRecord(srv.address, now, version, table, self.config.policy, reason,
                                 outcome)
         )
@@ -716,50 +896,81 @@ class Daemon:
     def _flush(self, now: float) -> bool:
         """Write every buffered row in one transaction; keep them for the next try if not."""
         buf = self._buffer
+        # Taken out whole: workers of slow servers may add rows while this one is written.
+        snap = buf.take()
         if self.storage is None:
-            buf.clear()
             return True
-        if not len(buf) and not buf.servers:
+        rows = len(snap.observations) + len(snap.versions) + len(snap.events)
+        if not rows and not snap.servers:
             return True
+        recovered = None
         if self._storage_down_since is not None:
             lasted = now - self._storage_down_since
-            buf.events.append(
-                EventRecord(None, now, "storage_recovered",
-                            f"after {lasted:.1f} s, {len(buf)} rows buffered, {buf.dropped} dropped")
-            )
+            recovered = EventRecord(
+                None, now, "storage_recovered",
+                f"after {lasted:.1f} s, {rows} rows buffered, {buf.dropped} dropped")
         try:
             self.storage.record_tick(
-                servers=list(buf.servers.values()),
-                observations=list(buf.observations),
-                policy_versions=buf.versions,
-                events=buf.events,
+                servers=list(snap.servers.values()),
+                observations=list(snap.observations),
+                policy_versions=snap.versions,
+                events=snap.events if recovered is None else [*snap.events, recovered],
             )
         except StorageError as exc:
+            buf.give_back(snap)
             if self._storage_down_since is None:
                 self._storage_down_since = now
                 log.warning("history unavailable: %s; learning goes on in memory and the "
                             "write is retried every tick (said once until it recovers)", exc)
-            else:
-                buf.events.pop()  # the storage_recovered event was premature
             return False
         if self._storage_down_since is not None:
-            log.info("history writable again: %d buffered rows written", len(buf))
+            log.info("history writable again: %d buffered rows written", rows)
             self._storage_down_since = None
-        buf.clear()
         return True
+
+    def _read_pool(self) -> None:
+        """Live pooling: hand each server what its pool-mates recorded since the last tick."""
+        pool = self.config.pool
+        if pool is None or self.storage is None:
+            return
+        try:
+            if self._pool_cursor is None:
+                self._pool_cursor = self.storage.last_observation_id()
+                return
+            lookback = max(0, self._pool_cursor - DEFAULT_POOL_LOOKBACK_IDS)
+            rows = self.storage.pool_observations(pool, after_id=lookback)
+        except StorageError as exc:
+            log.debug("pool %s: not read this tick: %s", pool, exc)
+            return
+        fresh = [(i, r) for i, r in rows if i not in self._pool_seen]
+        if not fresh:
+            return
+        self._pool_seen.update(i for i, _ in fresh)
+        self._pool_cursor = max(self._pool_cursor, *(i for i, _ in fresh))
+        floor = self._pool_cursor - DEFAULT_POOL_LOOKBACK_IDS
+        self._pool_seen = {i for i in self._pool_seen if i > floor}
+        for srv in self._servers:
+            if srv.policy is None:
+                continue
+            # deque.append is atomic: a worker may be draining this inbox right now.
+            srv.pool_inbox.extend((i, r) for i, r in fresh if r.server != srv.address)
 
     # --- status -----------------------------------------------------------------------------
 
     def _publish(self, now: float) -> None:
         servers = []
         for srv in self._servers:
+            if srv.future is not None and srv.status is not None:
+                # Its worker is still out (a slow server): show the last consistent picture.
+                servers.append(srv.status)
+                continue
             snap = srv.policy.snapshot() if srv.policy is not None else None
             if snap is not None and self.metrics is not None:
                 self.metrics.set_snapshot(srv.address, snap)
             servers.append(
                 ServerStatus(
                     address=srv.address,
-                    mode=srv.mode,
+                    mode="read-only" if srv.read_only else srv.mode,
                     up=None if srv.mode == "connecting" and srv.down_since is None
                     else srv.down_since is None,
                     arms=srv.arms,
@@ -774,8 +985,12 @@ class Daemon:
                     interval_goodput=srv.interval_goodput,
                     pushes=srv.pushes,
                     restarts=srv.restarts,
+                    errors=srv.errors,
+                    read_only=srv.read_only,
+                    pooled=srv.pooled,
                 )
             )
+            srv.status = servers[-1]
         self._status = DaemonStatus(
             ts=now,
             ticks=self._ticks,
