@@ -1,0 +1,164 @@
+"""The calibration table file: JSON lines, one info row, then cost rows.
+
+Format (``shared/calibration/README.md``)::
+
+    {"kind": "info", "gpu": ..., "torch": ..., "shape": ..., "ctx": ..., "hidden": ..., ...}
+    {"kind": "cost", "b": B, "q": Q, "target_ms": T, "draft_ms": D}
+
+``q`` is tokens per sequence in the forward. A speculative step of ``k`` drafts costs
+``k * draft(b, 1) + target(b, k + 1) + draft(b, k + 1)``; no speculation costs ``target(b, 1)``.
+Cost rows may carry extra keys (a fitted table adds ``"source"``); readers ignore unknown keys.
+
+Pure: no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tuner.errors import ConfigError, DynspecError
+
+__all__ = ["CalibrationTable", "CostRow", "read_table", "write_table"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostRow:
+    """Device time of one target forward and one draft forward at ``b`` sequences × ``q`` tokens."""
+
+    b: int
+    q: int
+    target_ms: float
+    draft_ms: float
+    source: str | None = None  # "measured" / "interpolated" in fitted tables; None when timed
+
+    def __post_init__(self) -> None:
+        for name in ("b", "q"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("target_ms", "draft_ms"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        row: dict[str, Any] = {
+            "kind": "cost",
+            "b": self.b,
+            "q": self.q,
+            "target_ms": round(float(self.target_ms), 4),
+            "draft_ms": round(float(self.draft_ms), 4),
+        }
+        if self.source is not None:
+            row["source"] = self.source
+        return row
+
+
+@dataclass(frozen=True, kw_only=True)
+class CalibrationTable:
+    """An info mapping and cost rows keyed by ``(b, q)``."""
+
+    info: Mapping[str, Any]
+    rows: tuple[CostRow, ...] = field(default=())
+
+    def cell(self, b: int, q: int) -> CostRow | None:
+        for row in self.rows:
+            if row.b == b and row.q == q:
+                return row
+        return None
+
+    def as_dict(self) -> dict[tuple[int, int], CostRow]:
+        return {(r.b, r.q): r for r in self.rows}
+
+    def step_ms(self, b: int, k: int) -> float:
+        """Cost of one decode step with ``k`` drafts at a measured ``b`` (no interpolation).
+
+        Raises:
+            KeyError: a needed ``(b, q)`` cell is missing.
+        """
+        cells = self.as_dict()
+        if k == 0:
+            return cells[(b, 1)].target_ms
+        return k * cells[(b, 1)].draft_ms + cells[(b, k + 1)].target_ms + cells[(b, k + 1)].draft_ms
+
+
+def write_table(path: str | os.PathLike[str], info: Mapping[str, Any], rows: Iterable[CostRow]) -> Path:
+    """Write the table atomically (a temporary file in the same folder, then a rename).
+
+    Raises:
+        DynspecError: the file cannot be written; the message names it.
+    """
+    out = Path(path)
+    lines = [json.dumps({"kind": "info", **{k: v for k, v in info.items() if k != "kind"}})]
+    lines += [json.dumps(r.to_json()) for r in sorted(rows, key=lambda r: (r.b, r.q))]
+    text = "\n".join(lines) + "\n"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(text)
+            os.replace(tmp, out)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as exc:
+        raise DynspecError(f"cannot write calibration table {out}: {exc.strerror or exc}") from exc
+    return out
+
+
+def read_table(path: str | os.PathLike[str]) -> CalibrationTable:
+    """Read and validate a calibration table.
+
+    Raises:
+        ConfigError: unreadable file, bad JSON, unknown ``kind``, bad or duplicate cost rows;
+            the message names the file and line.
+    """
+    src = Path(path)
+    try:
+        text = src.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read calibration table {src}: {exc.strerror or exc}") from exc
+    info: dict[str, Any] = {}
+    rows: dict[tuple[int, int], CostRow] = {}
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{src}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{where}: not valid JSON ({exc.msg})") from exc
+        if not isinstance(obj, dict):
+            raise ConfigError(f"{where}: expected a JSON object")
+        kind = obj.get("kind")
+        if kind == "info":
+            info.update({k: v for k, v in obj.items() if k != "kind"})
+        elif kind == "cost":
+            try:
+                row = CostRow(
+                    b=obj["b"],
+                    q=obj["q"],
+                    target_ms=obj["target_ms"],
+                    draft_ms=obj["draft_ms"],
+                    source=obj.get("source"),
+                )
+            except KeyError as exc:
+                raise ConfigError(f"{where}: cost row lacks field {exc.args[0]!r}") from exc
+            except ValueError as exc:
+                raise ConfigError(f"{where}: {exc}") from exc
+            if (row.b, row.q) in rows:
+                raise ConfigError(f"{where}: duplicate cost row for b={row.b}, q={row.q}")
+            rows[(row.b, row.q)] = row
+        else:
+            raise ConfigError(f"{where}: unknown row kind {kind!r} (expected 'info' or 'cost')")
+    if not rows:
+        raise ConfigError(f"{src}: no cost rows")
+    return CalibrationTable(info=info, rows=tuple(sorted(rows.values(), key=lambda r: (r.b, r.q))))
