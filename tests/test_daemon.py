@@ -335,9 +335,10 @@ def test_stop_pushes_greedy_flushes_and_returns_0(tmp_path):
     d = Daemon(config, storage=storage, clients={A: client}, policy_factory=factory,
                clock=clock, wait=fake_wait, on_tick=on_tick)
     assert d.run() == 0
-    assert len(ticks) == 6
+    assert len(ticks) == 7  # six ticks and the picture after the greedy push
     core = srv.cores[0]
     assert core.table == ((8, 3), (None, 0))  # greedy, not the exploration table
+    assert ticks[-1].servers[0].server_table == core.table
     last = storage.policy_versions()[-1]
     assert last.reason == "shutdown: greedy table" and last.outcome == "applied"
     assert [e.kind for e in storage.events(kinds=["start", "stop"])] == ["start", "stop"]

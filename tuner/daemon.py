@@ -428,6 +428,8 @@ class Daemon:
             greedy = srv.policy.greedy()
             if greedy != srv.server_table:
                 self._push(srv, greedy, "shutdown: greedy table", now)
+        # A last picture, so what is shown at exit is the table the servers were left on.
+        self._publish(now)
         self._buffer.add_event(EventRecord(None, now, "stop", ""))
         if not self._flush(now) and self.storage is not None:
             log.error(
