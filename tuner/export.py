@@ -82,6 +82,7 @@ class LearnedTable:
     policy: str  # the policy that chose it ("greedy-by-data" for the data source)
     decided_at: float | None  # when it was recorded (policy source)
     report: ServerReport  # estimates behind it, and the data window
+    buckets: Buckets  # the buckets the estimates are given for
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,7 @@ def learned_table(
         return LearnedTable(
             server=server, arms=srv.arms, table=table, source="policy",
             version=srv.table.version, policy=srv.table.policy, decided_at=srv.table.ts,
-            report=srv,
+            report=srv, buckets=buckets,
         )
     if source == "policy":
         raise ConfigError(
@@ -167,7 +168,7 @@ def learned_table(
         raise ConfigError(f"{server}: {exc} in {storage.url}") from None
     return LearnedTable(
         server=server, arms=srv.arms, table=table, source="data", version=None,
-        policy="greedy-by-data", decided_at=None, report=srv,
+        policy="greedy-by-data", decided_at=None, report=srv, buckets=buckets,
     )
 
 
@@ -244,6 +245,9 @@ def load_sglang_adaptive(path: Path) -> tuple[Table, dict[str, Any]]:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a JSON object of batch-size slots, got "
                           f"{type(raw).__name__}")
+    if raw.get("format") == "dynspec-policy":
+        raise ConfigError(f"{path}: this is a dynspec policy file, not an SGLang adaptive "
+                          "config (export with --format sglang-adaptive)")
     slots: list[tuple[int, int]] = []
     for key, entry in raw.items():
         if not key.isdigit():
@@ -316,7 +320,10 @@ def export(
     else:
         from tuner import policyfile  # the plugin's format: one implementation, theirs
 
-        policyfile.save(out, _policy_file(learned, now))
+        try:
+            policyfile.save(_policy_file(learned, now), out)
+        except ValueError as exc:  # PolicyFileError (a ValueError): names the file
+            raise ConfigError(str(exc)) from exc
     return ExportResult(path=out, learned=learned, warnings=tuple(warnings))
 
 
@@ -345,7 +352,37 @@ def _meta(learned: LearnedTable, now: float) -> dict[str, Any]:
 
 
 def _policy_file(learned: LearnedTable, now: float) -> Any:
-    raise NotImplementedError("waiting for tuner.policyfile")
+    """Our policy file: the table, the server's arms, and the estimates behind it."""
+    from tuner import __version__, policyfile
+
+    rep = learned.report
+    estimates = []
+    for bk in rep.buckets:
+        for a in bk.arms:
+            if not math.isfinite(a.goodput):
+                continue
+            # The standard error behind the 95 % interval (0 where there is none).
+            std = 0.0 if a.ci_high is None else (a.ci_high - a.goodput) / 1.96
+            estimates.append(policyfile.Estimate(bk.index, a.arm, a.goodput, std, a.decode_steps))
+    span = rep.data_span
+    return policyfile.PolicyFile(
+        table=learned.table,
+        arms=learned.arms or tuple(sorted({k for _, k in learned.table})),
+        policy_version=learned.version if learned.version is not None else 1,
+        provenance=policyfile.Provenance(
+            server=learned.server,
+            created_at=now,
+            tool_version=__version__,
+            policy=learned.policy,
+            buckets=learned.buckets.edges,
+            data_window=policyfile.DataWindow(
+                start=None if span is None else span[0],
+                end=None if span is None else span[1],
+                observations=rep.observations,
+            ),
+            estimates=tuple(estimates),
+        ),
+    )
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -358,5 +395,3 @@ def _atomic_write(path: Path, data: bytes) -> None:
         raise ConfigError(f"{path}: cannot write: {exc.strerror or exc}") from exc
 
 
-def _finite(x: float | None) -> float | None:
-    return None if x is None or not math.isfinite(x) else x
