@@ -46,7 +46,14 @@ class Telemetry:
         self.untimed_steps = 0
 
     def record(
-        self, b: int, k: int, emitted: int, accepted: int, launch_ts: float, forward_iter: int
+        self,
+        b: int,
+        k: int,
+        emitted: int,
+        accepted: int,
+        launch_ts: float,
+        forward_iter: int,
+        after_idle_gap: bool = False,
     ) -> None:
         """Record one decode step. ``k`` is the arm it was *launched* with.
 
@@ -57,12 +64,15 @@ class Telemetry:
             accepted: accepted draft tokens.
             launch_ts: monotonic launch time of the step, seconds.
             forward_iter: the scheduler's forward counter at launch (contiguity check).
+            after_idle_gap: the scheduler idled between the previous launch and this one
+                (SGLang's ``batch.after_idle_gap``; an idle pass keeps ``forward_iter``
+                contiguous, so the counter alone cannot tell).
         """
         prev = self._pending
         if prev is not None:
             pb, pk, pe, pa, pts, pit = prev
             gap = launch_ts - pts
-            if forward_iter == pit + 1 and 0.0 <= gap <= MAX_STEP_GAP_S:
+            if not after_idle_gap and forward_iter == pit + 1 and 0.0 <= gap <= MAX_STEP_GAP_S:
                 row = self._rows.get((pb, pk))
                 if row is None:
                     self._rows[(pb, pk)] = [1, pe, pa, pk * pb, gap]
@@ -127,9 +137,16 @@ class PluginCore:
         return self._index(batch_size)
 
     def record_decode(
-        self, b: int, k: int, emitted: int, accepted: int, launch_ts: float, forward_iter: int
+        self,
+        b: int,
+        k: int,
+        emitted: int,
+        accepted: int,
+        launch_ts: float,
+        forward_iter: int,
+        after_idle_gap: bool = False,
     ) -> None:
-        self.telemetry.record(b, k, emitted, accepted, launch_ts, forward_iter)
+        self.telemetry.record(b, k, emitted, accepted, launch_ts, forward_iter, after_idle_gap)
 
     # --- control path -----------------------------------------------------------------------
 
@@ -140,20 +157,38 @@ class PluginCore:
             ``(True, None)`` when applied, else ``(False, reason)`` with nothing changed.
         """
         try:
-            table, version = decode_update(
-                server_args, arms=self.arms, current_version=self.version
-            )
+            table, version = self.check_update(server_args)
         except ProtocolError as exc:
-            return self._reject(str(exc))
-        except Exception as exc:  # hostile payloads must never escape into the scheduler
-            return self._reject(f"malformed update: {type(exc).__name__}: {exc}")
+            return self.reject(str(exc))
+        self.commit_update(table, version)
+        return True, None
+
+    def check_update(self, server_args: Mapping[str, Any]) -> tuple[Table, int]:
+        """Validate the ``dynspec_*`` keys of an update without applying or counting anything.
+
+        For callers that must validate more than our keys before committing (the SGLang hook
+        lets SGLang check its own keys in between). Pair with :meth:`commit_update` or
+        :meth:`reject`.
+
+        Raises:
+            ProtocolError: naming the rule broken (any other failure is reported as one).
+        """
+        try:
+            return decode_update(server_args, arms=self.arms, current_version=self.version)
+        except ProtocolError:
+            raise
+        except Exception as exc:  # hostile payloads must never escape as anything else
+            raise ProtocolError(f"malformed update: {type(exc).__name__}: {exc}") from exc
+
+    def commit_update(self, table: Table, version: int) -> None:
+        """Apply a table that :meth:`check_update` returned (no validation repeated)."""
         self._set_table(table)
         self.version = version
         self.updates_applied += 1
         self.last_rejection = None
-        return True, None
 
-    def _reject(self, reason: str) -> tuple[bool, str]:
+    def reject(self, reason: str) -> tuple[bool, str]:
+        """Count a refused update and remember why; the table is left as it is."""
         self.updates_rejected += 1
         self.last_rejection = reason
         return False, reason
