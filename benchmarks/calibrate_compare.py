@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tuner.calibrate import read_table  # noqa: E402
+from tuner.calibrate import read_table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r.draft_ms:>10.4f} {n.draft_ms:>10.4f} {dr:>6.3f}{flag}")
     steps = []
     for b in sorted({b for b, _ in common}):
-        for k in range(0, 16):
+        for k in range(16):
             try:
                 rs, ns = ref.step_ms(b, k), new.step_ms(b, k)
             except KeyError:

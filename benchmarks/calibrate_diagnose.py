@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +57,21 @@ def graph_ms(fn, calls: int, warmup: int = 3, replays: int = 10) -> float:
     return a.elapsed_time(b) / replays / calls * 1000.0  # microseconds per call
 
 
+def _linears(x, weights) -> None:
+    for w in weights:
+        F.linear(x, w)
+
+
+def _attend(q, kv, length: int, backend, *, gqa: bool) -> None:
+    for kc, vc in kv:
+        kk, vv = kc[:, :, :length], vc[:, :, :length]
+        if backend is None:
+            F.scaled_dot_product_attention(q, kk, vv, enable_gqa=gqa)
+        else:
+            with sdpa_kernel(backend):
+                F.scaled_dot_product_attention(q, kk, vv, enable_gqa=gqa)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -74,7 +90,7 @@ def main() -> int:
         row = {}
         for m in MS:
             xin = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            row[m] = round(graph_ms(lambda: [F.linear(xin, w) for w in ws], copies), 2)
+            row[m] = round(graph_ms(partial(_linears, xin, ws), copies), 2)
         out["gemm_us"][name] = row
         print(f"gemm {name:<10} K={k:<6} N={n:<6} " + " ".join(f"{m}:{t}" for m, t in row.items()),
               flush=True)
@@ -100,28 +116,16 @@ def main() -> int:
             qh = torch.randn(b, HEADS, q, D, device="cuda", dtype=torch.bfloat16)
             res = {}
             for bname, be in backends.items():
-                def run(be=be):
-                    for kc, vc in kv:
-                        kk, vv = kc[:, :, : ctx + q], vc[:, :, : ctx + q]
-                        if be is None:
-                            F.scaled_dot_product_attention(qp, kk, vv)
-                        else:
-                            with sdpa_kernel(be):
-                                F.scaled_dot_product_attention(qp, kk, vv)
+                run = partial(_attend, qp, kv, ctx + q, be, gqa=False)
                 try:
                     res[f"packed-{bname}"] = round(graph_ms(run, copies), 2)
-                except Exception as exc:  # a backend that refuses this shape
+                except RuntimeError as exc:  # a backend that refuses this shape
                     res[f"packed-{bname}"] = f"n/a ({type(exc).__name__})"
-
-            def run_gqa():
-                for kc, vc in kv:
-                    F.scaled_dot_product_attention(
-                        qh, kc[:, :, : ctx + q], vc[:, :, : ctx + q], enable_gqa=True
-                    )
-
             try:
-                res["gqa-default"] = round(graph_ms(run_gqa, copies), 2)
-            except Exception as exc:
+                res["gqa-default"] = round(
+                    graph_ms(partial(_attend, qh, kv, ctx + q, None, gqa=True), copies), 2
+                )
+            except RuntimeError as exc:
                 res["gqa-default"] = f"n/a ({type(exc).__name__})"
             out["attention_us"][f"{b}/{q}"] = res
             print(f"attn b={b:<4} q={q} " + " ".join(f"{k}:{v}" for k, v in res.items()), flush=True)

@@ -20,14 +20,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tuner.calibrate import (  # noqa: E402
+from tuner.calibrate import (
     LLAMA3_8B,
     CalibrationGrid,
-    ModelShape,
     CalibrationSettings,
+    ModelShape,
     read_table,
 )
-from tuner.calibrate.gpu import ForwardOptions, measure  # noqa: E402
+from tuner.calibrate.gpu import ForwardOptions, measure
 
 VARIANTS = {
     "default": ForwardOptions(),

@@ -545,10 +545,21 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _calibrate_gpu(args: argparse.Namespace) -> int:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
-    from tuner.calibrate import CalibrationGrid, CalibrationSettings, resolve_shape, write_table
-    from tuner.calibrate import gpu
+    from tuner.calibrate import (
+        CalibrationGrid,
+        CalibrationSettings,
+        gpu,
+        resolve_shape,
+        write_table,
+    )
 
     if args.server is not None:
         raise ConfigError("--server goes with --from-db, not --shape")

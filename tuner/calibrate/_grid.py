@@ -9,10 +9,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 __all__ = [
+    "DEFAULT_BATCH_COOLDOWN_S",
     "DEFAULT_BATCH_SIZES",
     "DEFAULT_CTX",
     "DEFAULT_DTYPE",
-    "DEFAULT_BATCH_COOLDOWN_S",
     "DEFAULT_POINT_COOLDOWN_S",
     "DEFAULT_REPLAYS",
     "DEFAULT_ROUNDS",

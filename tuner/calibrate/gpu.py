@@ -23,6 +23,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from tuner.calibrate._grid import CalibrationGrid, CalibrationSettings
@@ -289,7 +290,7 @@ class _Decoder:
 
     def _attention(self, h: Any, L: dict[str, Any], kv: tuple[Any, Any], b: int, q: int,
                    ctx: int, inp: dict[str, Any]) -> Any:
-        F, s = self.F, self.shape
+        s = self.shape
         d, kvh, g = s.head_dim, s.kv_heads, s.group
         m = h.shape[0]
         if self.opts.fused:
@@ -524,7 +525,7 @@ def measure(
                         time.sleep(pause)
                     t_ms = _graph_ms(
                         torch,
-                        lambda: model.target(state, inp, b, q, settings.ctx),
+                        partial(model.target, state, inp, b, q, settings.ctx),
                         warmup=settings.warmup,
                         replays=settings.replays,
                         rounds=settings.rounds,
@@ -533,7 +534,7 @@ def measure(
                     first = False
                     d_ms = _graph_ms(
                         torch,
-                        lambda: model.draft(state, inp, b, q, settings.ctx),
+                        partial(model.draft, state, inp, b, q, settings.ctx),
                         warmup=settings.warmup,
                         replays=settings.replays,
                         rounds=settings.rounds,
