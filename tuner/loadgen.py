@@ -378,6 +378,7 @@ class ClosedLoop:
         self._epoch = 0
         self._workers: dict[int, asyncio.Task[None]] = {}
         self._inflight_epochs: Counter[int] = Counter()
+        self._completed_by_epoch: Counter[int] = Counter()
         self._changed: asyncio.Condition | None = None
         self._fatal: ServerError | None = None
         self.records: list[RequestRecord] = []
@@ -461,9 +462,15 @@ class ClosedLoop:
         epoch = self._epoch if epoch is None else epoch
         await self._wait(lambda: not any(e < epoch for e in self._inflight_epochs))
 
-    async def wait_completed(self, n: int) -> None:
-        """Wait until at least ``n`` requests have completed in total."""
-        await self._wait(lambda: len(self.records) >= n)
+    async def wait_completed(self, n: int, *, epoch: int | None = None) -> None:
+        """Wait until at least ``n`` requests have completed in total, or, with ``epoch``,
+        ``n`` requests launched in that epoch or later."""
+        if epoch is None:
+            await self._wait(lambda: len(self.records) >= n)
+        else:
+            await self._wait(
+                lambda: sum(v for e, v in self._completed_by_epoch.items() if e >= epoch) >= n
+            )
 
     async def run_for(self, seconds: float) -> None:
         """Let the load run for ``seconds`` (returns early only to raise a fatal error)."""
@@ -539,7 +546,8 @@ class ClosedLoop:
             except _Transient as exc:
                 self.errors += 1
                 failures += 1
-                log.warning("%s: request failed: %s", self.server, exc)
+                # Counted per window (WindowStats.errors); a burst at a switch is normal.
+                log.debug("%s: request failed: %s", self.server, exc)
                 if failures >= self.config.max_consecutive_errors:
                     self._fatal = ServerUnavailableError(
                         self.server, f"{failures} requests in a row failed; last: {exc}"
@@ -556,6 +564,7 @@ class ClosedLoop:
                     del self._inflight_epochs[epoch]
             if tokens is not None:
                 self.records.append(RequestRecord(start, end, tokens, epoch))
+                self._completed_by_epoch[epoch] += 1
             await self._notify()
             if failures and self._fatal is None:
                 # Back off before retrying so a burst of resets (a full listen backlog when

@@ -50,6 +50,7 @@ from tuner.errors import (
     StorageError,
     UpdateRejectedError,
 )
+from storage import redact_url
 from tuner.loadgen import ClosedLoop, WindowStats
 from tuner.protocol import CounterRow, Table, format_table, table_to_json, validate_table
 
@@ -234,6 +235,20 @@ class ServerWindow:
     def goodput(self) -> float:
         return self.emitted_tokens / self.busy_s if self.busy_s > 0 else math.nan
 
+    def __add__(self, other: ServerWindow) -> ServerWindow:
+        by_arm = dict(self.steps_by_arm)
+        for k, v in other.steps_by_arm.items():
+            by_arm[k] = by_arm.get(k, 0) + v
+        return ServerWindow(
+            self.decode_steps + other.decode_steps,
+            self.emitted_tokens + other.emitted_tokens,
+            self.accepted_drafts + other.accepted_drafts,
+            self.drafted_tokens + other.drafted_tokens,
+            self.busy_s + other.busy_s,
+            self.batch_steps + other.batch_steps,
+            by_arm,
+        )
+
     @property
     def mean_batch(self) -> float:
         return self.batch_steps / self.decode_steps if self.decode_steps else math.nan
@@ -404,6 +419,7 @@ class CellEstimate:
     window_s: float
     pruned: bool  # every window of it was cut short by the pruner
     last: Measurement
+    server: ServerWindow | None = None  # the plugin's counters, summed over the windows
 
     def se_or_fallback(self) -> float:
         return self.se if math.isfinite(self.se) and self.se > 0 else FALLBACK_REL_SE * self.mean
@@ -424,6 +440,10 @@ class CellEstimate:
             se = spread / math.sqrt(len(usable))
         else:
             se = math.nan
+        server = None
+        for m in usable:
+            if m.server is not None:
+                server = m.server if server is None else server + m.server
         return cls(
             last.level,
             last.arm,
@@ -433,6 +453,7 @@ class CellEstimate:
             sum(m.window_s for m in usable),
             all(m.pruned for m in usable),
             usable[-1],
+            server,
         )
 
 
@@ -755,6 +776,8 @@ def open_study(
     """
     try:
         storage = optuna.storages.RDBStorage(db_url)
+        if storage.engine.name == "sqlite":
+            _sqlite_like_storage(storage.engine)
         study = optuna.create_study(
             study_name=name,
             storage=storage,
@@ -764,10 +787,10 @@ def open_study(
             load_if_exists=True,
         )
     except (optuna.exceptions.StorageInternalError, ImportError, ValueError) as exc:
-        raise StorageError(f"cannot open the sweep database {_redact(db_url)}: {exc}") from exc
+        raise StorageError(f"cannot open the sweep database {redact_url(db_url)}: {exc}") from exc
     except Exception as exc:  # SQLAlchemy errors on a bad URL or an unwritable file
         if type(exc).__module__.startswith("sqlalchemy"):
-            raise StorageError(f"cannot open the sweep database {_redact(db_url)}: {exc}") from exc
+            raise StorageError(f"cannot open the sweep database {redact_url(db_url)}: {exc}") from exc
         raise
     stored = study.user_attrs
     for key, value in (attrs or {}).items():
@@ -785,12 +808,24 @@ def open_study(
     return study
 
 
-def _redact(url: str) -> str:
-    head, sep, tail = url.partition("@")
-    if not sep or "://" not in head:
-        return url
-    scheme, _, _creds = head.partition("://")
-    return f"{scheme}://***@{tail}"
+def _sqlite_like_storage(engine: Any) -> None:
+    """Open the study's SQLite file as :mod:`storage` opens the history (they may share it):
+    WAL, so the daemon's reads and the sweep's writes do not block each other, and
+    ``synchronous=NORMAL``, so each step's few small commits cost no fsync."""
+    from sqlalchemy import event
+
+    @event.listens_for(engine, "connect")
+    def _pragmas(dbapi_conn: Any, _record: Any) -> None:
+        cur = dbapi_conn.cursor()
+        try:
+            cur.execute("PRAGMA busy_timeout=10000")
+            if engine.url.database and engine.url.database != ":memory:":
+                cur.execute("PRAGMA journal_mode=WAL")
+                cur.execute("PRAGMA synchronous=NORMAL")
+        finally:
+            cur.close()
+
+    engine.dispose()  # connections opened while Optuna created its tables lack the pragmas
 
 
 # --- the server side ------------------------------------------------------------------------
@@ -959,7 +994,10 @@ class LiveMeasurer:
             await asyncio.to_thread(self.control.pin, table)
         epoch = self.load.set_concurrency(level)
         on_phase("warm-up")
-        await self.load.settle(epoch)  # every request from before the switch is done
+        # Every request from before the switch is done, and every worker has turned over
+        # once since (a queue behind the running-request cap reaches its steady rhythm).
+        await self.load.settle(epoch)
+        await self.load.wait_completed(level, epoch=epoch)
         await self.load.run_for(warmup_s)
         before = await asyncio.to_thread(self.control.counters)
         mark = self.load.mark()
@@ -1108,6 +1146,7 @@ class Sweep:
             trials_run=trials_run,
             elapsed_s=self.clock() - started,
             pinnable=setup.pinnable,
+            server_arms=setup.arms,
         )
 
     async def _trial(self, study: optuna.Study, planner: Planner, setup: ServerSetup) -> None:
@@ -1131,10 +1170,19 @@ class Sweep:
                     outcome["state"] = "empty"
                     return True
                 return False  # nothing completed yet: keep measuring
+            # Little's law over completions is only fair once every worker has turned over
+            # in the window; a shorter window picks the requests that happened to be fast.
+            turned_over = stats.requests >= level
+            if not turned_over and step < max_steps:
+                trial.report(stats.tok_s, step)
+                return False
             trial.set_user_attr(
                 _RUNNING_SE_ATTR, stats.tok_s_se if math.isfinite(stats.tok_s_se) else None
             )
             trial.report(stats.tok_s, step)
+            if not turned_over:
+                outcome["state"] = "short"
+                return True
             if step >= cfg.min_steps and not cfg.exhaustive:
                 if trial.should_prune():
                     outcome["state"] = "pruned"
@@ -1164,6 +1212,12 @@ class Sweep:
         )
         m = replace(m, trial=trial.number)
         trial.set_user_attr(_MEASUREMENT_ATTR, m.to_json())
+        if outcome["state"] == "short":
+            log.warning(
+                "concurrency %d, %s: only %d requests completed in %.0f s (fewer than the "
+                "concurrency); raise --per-level for a fairer window",
+                level, _arm_label(arm), m.requests, m.window_s,
+            )
         if outcome["state"] == "empty":
             study.tell(trial, state=TrialState.FAIL)
             raise DynspecError(
@@ -1202,6 +1256,7 @@ class SweepResult:
     measured_s: float = 0.0
     pinnable: bool = True
     tolerance: float = DEFAULT_TOLERANCE
+    server_arms: tuple[int, ...] = ()  # every arm the server built (the sweep may use fewer)
 
     @classmethod
     def build(cls, planner: Planner, ms: Sequence[Measurement], **kw: Any) -> SweepResult:
@@ -1251,12 +1306,12 @@ class SweepResult:
                     "tpot_p50_ms": num(m.tpot_p50_ms),
                     "tpot_p99_ms": num(m.tpot_p99_ms),
                     "server": None
-                    if m.server is None
+                    if e.server is None
                     else {
-                        "goodput_tok_s": num(m.server.goodput),
-                        "mean_batch": num(m.server.mean_batch),
-                        "accept_rate": num(m.server.accept_rate),
-                        **m.server.to_json(),
+                        "goodput_tok_s": num(e.server.goodput),
+                        "mean_batch": num(e.server.mean_batch),
+                        "accept_rate": num(e.server.accept_rate),
+                        **e.server.to_json(),
                     },
                 }
             )
@@ -1312,6 +1367,10 @@ def crossover_text(best: Mapping[int, int], arms: Sequence[int]) -> str:
     return text
 
 
+def _fmt(x: float, spec: str) -> str:
+    return format(x, spec) if math.isfinite(x) else ""
+
+
 def render_text(result: SweepResult, *, header: str | None = None) -> str:
     """The table people draw by hand: tokens/s per level for each arm and the learned table.
 
@@ -1319,7 +1378,9 @@ def render_text(result: SweepResult, *, header: str | None = None) -> str:
     pruner cut short (clearly behind), ``-`` a skipped cell (ruled out by another level).
     """
     cols = [*result.arms] + ([TABLE_ARM] if any(a == TABLE_ARM for _, a in result.cells) else [])
-    head = ["conc"] + [_arm_label(a) for a in cols] + ["best", "vs k=0", "TPOT p50/p99 ms", "batch"]
+    head = ["conc"] + [_arm_label(a) for a in cols] + [
+        "best", "vs k=0", "TPOT p50/p99 ms", "server busy tok/s", "batch", "accept"
+    ]
     rows = []
     for lv in result.levels:
         best = result.best.get(lv)
@@ -1344,22 +1405,21 @@ def render_text(result: SweepResult, *, header: str | None = None) -> str:
             f"{best_e.mean / zero.mean:.2f}x" if best_e is not None and zero is not None else ""
         )
         if best_e is not None:
-            m = best_e.last
+            m, w = best_e.last, best_e.server
             row.append(f"{m.tpot_p50_ms:.1f} / {m.tpot_p99_ms:.1f}")
-            row.append(
-                f"{m.server.mean_batch:.1f}"
-                if m.server is not None and math.isfinite(m.server.mean_batch)
-                else ""
-            )
+            row.append("" if w is None else _fmt(w.goodput, ",.0f"))
+            row.append("" if w is None else _fmt(w.mean_batch, ".1f"))
+            row.append("" if w is None else _fmt(w.accept_rate, ".2f"))
         else:
-            row += ["", ""]
+            row += ["", "", "", ""]
         rows.append(row)
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     lines = []
     if header:
         lines.append(header)
     lines.append("output tokens/s by concurrency (* best, ~ within "
-                 f"{result.tolerance:.0%}, < pruned early, - skipped)")
+                 f"{result.tolerance:.0%}, < pruned early, - skipped); for the best arm: "
+                 "client TPOT, and the server's goodput, batch and acceptance (its counters)")
     lines.append("  ".join(h.rjust(w) for h, w in zip(head, widths)))
     lines.append("  ".join("-" * w for w in widths))
     for r in rows:
@@ -1426,3 +1486,83 @@ def write_json(result: SweepResult, path: str | Path, **extra: Any) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({**extra, **result.to_json()}, indent=2) + "\n", encoding="utf-8")
     return path
+
+
+def write_policy_file(
+    result: SweepResult, path: str | Path, *, server: str, now: float | None = None
+) -> Path | None:
+    """The learned table as the plugin's versioned policy file (``DYNSPEC_POLICY_FILE`` at
+    server start, or ``export``), via :mod:`tuner.policyfile`; None when there is no table.
+
+    Provenance: policy ``"sweep"``, the levels as bucket edges, and per (level, arm) the
+    server's goodput (emitted tokens per busy second) where the plugin reported counters.
+    """
+    if result.table is None:
+        return None
+    from tuner import __version__, policyfile
+
+    estimates = []
+    for (level, arm), e in sorted(result.cells.items()):
+        w = e.server
+        if arm < 0 or w is None or not math.isfinite(w.goodput):
+            continue
+        rel = e.se_or_fallback() / e.mean if e.mean > 0 else 0.0
+        estimates.append(policyfile.Estimate(
+            result.levels.index(level), arm, w.goodput, w.goodput * rel, w.decode_steps
+        ))
+    doc = policyfile.PolicyFile(
+        table=result.table,
+        arms=result.server_arms or result.arms,
+        policy_version=1,
+        provenance=policyfile.Provenance(
+            server=server,
+            created_at=time.time() if now is None else now,
+            tool_version=__version__,
+            policy="sweep",
+            buckets=result.levels,
+            data_window=policyfile.DataWindow(observations=result.windows),
+            estimates=tuple(estimates),
+        ),
+    )
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return policyfile.save(doc, path)
+
+
+# --- one call for the CLI and the benchmark --------------------------------------------------
+
+
+async def sweep_server(
+    server: str,
+    config: SweepConfig,
+    *,
+    prompts: Sequence[str],
+    load_config: Any = None,
+    db_url: str,
+    api_key: str | None = None,
+    on_event: Callable[[SweepEvent], None] | None = None,
+) -> SweepResult:
+    """Sweep one live server: closed-loop load through ``load_config.endpoint`` plus arm pinning
+    through the plugin (``SGLangClient``), recorded in the Optuna study at ``db_url``.
+
+    Raises:
+        ServerError: the server is unreachable, refuses the key or answers nonsense.
+        ConfigError: bad arms for this server, or a study measured with other settings.
+        StorageError: the database cannot be opened.
+    """
+    from tuner.client import SGLangClient
+    from tuner.loadgen import LoadConfig
+
+    load_config = load_config or LoadConfig()
+    attrs = {
+        "server": server,
+        "endpoint": load_config.endpoint,
+        "max_tokens": load_config.max_tokens,
+        "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest(),
+    }
+    with SGLangClient(server, api_key=api_key) as client:
+        async with ClosedLoop(server, prompts, config=load_config, api_key=api_key) as load:
+            measurer = LiveMeasurer(load, PluginArmControl(client), clock=time.monotonic)
+            sweep = Sweep(config, measurer=measurer, db_url=db_url, study_attrs=attrs,
+                          on_event=on_event)
+            return await sweep.run()
