@@ -14,12 +14,12 @@ then write everything the tick produced in one transaction. With several servers
 read on its own worker thread with its own timeout, so a slow or failing server never stalls
 the others (and is not asked again while its last request is still out). A failing server is
 retried with backoff and reported once per outage; a failing database is retried every tick
-with the rows kept in memory. A table the server refused is not pushed again; a version the
-server reports above anything this daemon sent means another tuner (or an operator) is
-pushing: the daemon then stops pushing to that server and only observes. With a ``pool``,
-each tick also feeds every policy what the pool's other replicas recorded (warm start too).
-On stop, each server gets its greedy table (never an exploration table) and the history is
-flushed.
+with the rows kept in memory. A table the server refused is not pushed again for a backoff
+period. A version the server reports above anything this daemon sent means another tuner (or
+an operator) is pushing: the daemon then stops pushing to that server and only observes.
+With a ``pool``, each tick also feeds every policy what the pool's other replicas recorded
+(warm start too). On stop, each server gets its greedy table (never an exploration table)
+and the history is flushed.
 
 Time and waiting are injected (``clock``, ``wait``) so tests drive ticks with a fake clock.
 """
@@ -181,11 +181,15 @@ class _Server:
     baseline_version: int = 0
     sent_version: int = 0
     read_only: bool = False
-    rejected_table: Table | None = None  # refused by every replica: not pushed again
+    # Refused by every replica: not pushed again before backoff_max_s (it would be refused
+    # again unless the server changed; a restart clears it).
+    rejected_table: Table | None = None
+    rejected_at: float = -math.inf
     pending_rejection: str | None = None  # a refusal to record if the plugin gives no reason
     pool_inbox: collections.deque = field(default_factory=collections.deque)
     pool_from_id: int = 0  # pool rows up to this id are in the warm start
     pooled: int = 0
+    policy_error: str | None = None
     future: Future | None = None  # the worker reading this server, while it runs
     status: ServerStatus | None = None  # as last published
 
@@ -685,7 +689,18 @@ class Daemon:
     def _build_policy(self, srv: _Server, arms: tuple[int, ...]) -> None:
         """A fresh policy for ``arms``, warm-started from this server's history."""
         srv.arms = arms
-        policy = self._policy_factory(arms, self.buckets)
+        try:
+            policy = self._policy_factory(arms, self.buckets)
+        except ValueError as exc:
+            # e.g. a static table naming an arm this server lacks (metrics-only mode knows
+            # only the arm the server runs): say so once, keep reading, decide nothing.
+            srv.policy = None
+            if srv.policy_error != str(exc):
+                srv.policy_error = str(exc)
+                log.error("%s: policy %s cannot work with arms %s (%s); reading and recording "
+                          "only", srv.address, self.config.policy, list(arms), exc)
+            return
+        srv.policy_error = None
         rows: list[ObservationRecord] = []
         if self.storage is not None:
             try:
@@ -718,10 +733,8 @@ class Daemon:
         srv.pool_inbox.clear()
 
     def _learn(self, srv: _Server, observations: Sequence[Observation], now: float) -> int:
-        if srv.policy is None:
-            return 0
         allowed = set(srv.arms)
-        while srv.pool_inbox:
+        while srv.pool_inbox and srv.policy is not None:
             row_id, r = srv.pool_inbox.popleft()
             if row_id > srv.pool_from_id and r.k in allowed and srv.policy.update(
                 Observation(r.b, r.k, r.decode_steps, r.emitted_tokens, r.accepted_drafts,
@@ -737,12 +750,13 @@ class Daemon:
                                   int(round(o.emitted_tokens)), int(round(o.accepted_drafts)),
                                   int(round(o.drafted_tokens)), float(o.busy_s))
             )
-            if srv.policy.update(o):
+            # Without a policy (it could not be built) the history still gets every row.
+            if srv.policy is not None and srv.policy.update(o):
                 used += 1
                 steps += o.decode_steps
                 emitted += o.emitted_tokens
                 busy += o.busy_s
-            else:
+            elif srv.policy is not None:
                 log.debug("%s: observation not used: %s", srv.address, o.problem() or "arm")
         self._buffer.add_observations(records)
         srv.observations += used
@@ -787,7 +801,7 @@ class Daemon:
         if proposal == srv.server_table:
             srv.needs_push = False
             return 0
-        if proposal == srv.rejected_table:
+        if proposal == srv.rejected_table and now - srv.rejected_at < self.config.backoff_max_s:
             # Refused by every replica already: the same table would be refused again.
             srv.needs_push = False
             log.debug("%s: not pushing %s again (refused)", srv.address, format_table(proposal))
@@ -807,7 +821,7 @@ class Daemon:
         except (ServerError, ProtocolError) as exc:
             srv.version = version
             srv.needs_push = False
-            srv.rejected_table = table
+            srv.rejected_table, srv.rejected_at = table, now
             srv.errors += 1
             self._record_version(srv, now, version, table, reason, "rejected")
             self._event(srv.address, now, "update_rejected", str(exc))
@@ -834,7 +848,7 @@ class Daemon:
         srv.server_table = None if len(refused) < len(reply) else srv.server_table
         srv.needs_push = False
         if len(refused) == len(reply):
-            srv.rejected_table = table
+            srv.rejected_table, srv.rejected_at = table, now
         srv.pending_rejection = f"v{version} {format_table(table)} refused by replica(s) {refused}"
         self._record_version(srv, now, version, table, reason, "rejected")
         log.warning("%s: v%d refused by replica(s) %s; their reason follows on the next reading",

@@ -14,7 +14,8 @@ request whose path they name. Kinds:
                 plugin counts the refusal (``updates_rejected``), as a refused table does;
 - ``restart``   restart the server (fresh engine, counters from zero, new start time), then
                 answer the request normally;
-- ``protocol``  readouts claim plugin protocol ``version`` (a daemon/plugin mismatch).
+- ``protocol``  readouts claim plugin protocol ``version`` (a daemon/plugin mismatch);
+- ``stock``     readouts lack the ``dynspec`` section, as stock SGLang's do (no plugin).
 
 Faults come from code (:meth:`FaultInjector.add`), from ``dynspec-tuner sim --fault SPEC``
 (:meth:`Fault.parse`), or over HTTP on the simulator only:
@@ -50,7 +51,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-FAULT_KINDS = ("refuse", "stall", "status", "malformed", "reject", "restart", "protocol")
+FAULT_KINDS = ("refuse", "stall", "status", "malformed", "reject", "restart", "protocol", "stock")
 ADMIN_PREFIX = "/_sim/"
 # Long enough to outlast any sane client timeout; clearing the faults releases it earlier.
 DEFAULT_STALL_S = 60.0
@@ -81,7 +82,9 @@ class Fault:
 
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
-            raise ValueError(f"fault kind must be one of {', '.join(FAULT_KINDS)}, got {self.kind!r}")
+            raise ValueError(
+                f"fault kind must be one of {', '.join(FAULT_KINDS)}, got {self.kind!r}"
+            )
         paths = tuple(self.paths)
         if any(not isinstance(p, str) or not p.startswith("/") for p in paths):
             raise ValueError(f"fault paths must start with '/', got {list(paths)!r}")
@@ -105,8 +108,9 @@ class Fault:
         """``KIND[:PATH[,PATH...]][:COUNT]`` as ``dynspec-tuner sim --fault`` takes it.
 
         KIND is ``refuse``, ``stall`` or ``stallSECONDS``, an HTTP status (``503``, ``422``),
-        ``malformed``, ``reject``, ``restart`` or ``protocolN``. Examples: ``503:/server_info:5``
-        (five 503s), ``stall2:/server_info``, ``reject``, ``malformed:/metrics``.
+        ``malformed``, ``reject``, ``restart``, ``protocolN`` or ``stock``. Examples:
+        ``503:/server_info:5`` (five 503s), ``stall2:/server_info``, ``reject``,
+        ``malformed:/metrics``.
 
         Raises:
             ValueError: naming what is wrong.
@@ -268,6 +272,8 @@ class FaultInjector:
             return call_next(req)
         if kind == "protocol":
             return _with_protocol(call_next(req), fault.version)
+        if kind == "stock":
+            return _with_protocol(call_next(req), None)
         raise AssertionError(kind)  # pragma: no cover - Fault validates kinds
 
     def _reject(
@@ -279,10 +285,8 @@ class FaultInjector:
             return call_next(req)
         srv = self.server
         with srv.lock:
-            core = srv.core
             # Counted where the plugin counts its own refusals, so the daemon sees it too.
-            core.updates_rejected += 1
-            core.last_rejection = "injected fault: updates refused"
+            srv.core.reject("injected fault: updates refused")
             n = srv.dp_size
         return HttpResponse.json([False] * n)
 
@@ -295,8 +299,10 @@ class FaultInjector:
         if path == "/_sim/faults":
             if req.method == "GET":
                 with self._lock:
-                    items = [{"id": a.id, "left": a.left, "hits": a.hits, **a.fault.to_json()}
-                             for a in self._faults]
+                    items = [
+                        {"id": a.id, "left": a.left, "hits": a.hits, **a.fault.to_json()}
+                        for a in self._faults
+                    ]
                 return HttpResponse.json({"faults": items, "hits": dict(self.hits)})
             if req.method == "DELETE":
                 self.clear()
@@ -341,8 +347,9 @@ def _malformed(resp: HttpResponse) -> HttpResponse:
     return HttpResponse(200, body[: max(1, len(body) // 2)], "application/json")
 
 
-def _with_protocol(resp: HttpResponse, version: int) -> HttpResponse:
-    """The reply with every ``dynspec`` readout claiming another protocol version."""
+def _with_protocol(resp: HttpResponse, version: int | None) -> HttpResponse:
+    """The reply with every ``dynspec`` readout claiming another protocol version, or without
+    the readouts (``version`` None: stock SGLang)."""
     try:
         info = json.loads(resp.body)
     except ValueError:
@@ -352,6 +359,9 @@ def _with_protocol(resp: HttpResponse, version: int) -> HttpResponse:
         return resp
     for entry in states:
         if isinstance(entry, dict) and isinstance(entry.get("dynspec"), dict):
-            entry["dynspec"]["protocol"] = version
+            if version is None:
+                del entry["dynspec"]
+            else:
+                entry["dynspec"]["protocol"] = version
     out = type(resp)(resp.status, json.dumps(info).encode(), resp.content_type, resp.headers)
     return out
