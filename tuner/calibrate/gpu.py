@@ -253,7 +253,7 @@ class _Decoder:
     def inputs(self, state: dict[str, Any], b: int, q: int, ctx: int) -> dict[str, Any]:
         torch, s = self.t, self.shape
         gen = state["gen"]
-        ids = torch.randint(0, s.draft_vocab, (b * q,), device=self.dev, generator=gen)
+        ids = torch.randint(0, min(s.vocab, s.draft_vocab), (b * q,), device=self.dev, generator=gen)
         hidden3 = torch.empty((b * q, 3 * s.hidden), dtype=self.dtype, device=self.dev).normal_(
             0.0, 1.0, generator=gen
         )
