@@ -800,6 +800,9 @@ def _prometheus(server: SimServer) -> str:
 def _make_handler(server: SimServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        # Headers and body go out in separate writes; with Nagle and delayed ACKs that costs
+        # ~40 ms per request on loopback.
+        disable_nagle_algorithm = True
         server_version = "sglang-sim/" + __version__
 
         def _handle(self) -> None:
