@@ -55,7 +55,10 @@ class Observation:
 
     def problem(self) -> str | None:
         """Why this observation must not reach a policy, or None if it is usable."""
-        for name in ("b", "k", "decode_steps", "emitted_tokens", "accepted_drafts", "drafted_tokens"):
+        counters = (
+            "b", "k", "decode_steps", "emitted_tokens", "accepted_drafts", "drafted_tokens",
+        )
+        for name in counters:
             value = getattr(self, name)
             # NaN slips through every comparison below, so non-finite values are refused first.
             if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -68,7 +71,8 @@ class Observation:
             return f"batch size {self.b} < 1"
         if self.k < 0:
             return f"arm {self.k} < 0"
-        if min(self.decode_steps, self.emitted_tokens, self.accepted_drafts, self.drafted_tokens) < 0:
+        if min(self.decode_steps, self.emitted_tokens, self.accepted_drafts,
+               self.drafted_tokens) < 0:
             return "negative counter"
         if not math.isfinite(self.busy_s) or self.busy_s <= 0:
             return f"busy_s {self.busy_s} is not a positive finite number"
@@ -96,7 +100,7 @@ class Buckets:
         edges = tuple(int(e) for e in self.edges)
         if not edges:
             raise ValueError("bucket edges must not be empty")
-        if edges[0] < 1 or any(b <= a for a, b in zip(edges, edges[1:])):
+        if edges[0] < 1 or any(b <= a for a, b in zip(edges, edges[1:], strict=False)):
             raise ValueError(f"bucket edges must be positive and strictly increasing: {edges}")
         object.__setattr__(self, "edges", edges)
 

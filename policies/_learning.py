@@ -59,6 +59,9 @@ DEFAULT_SWITCH_MARGIN = 0.005
 DEFAULT_GUARD_MARGIN = 0.02
 DEFAULT_GUARD_Z = 3.0
 DEFAULT_GUARD_MIN_STEPS = 50.0
+# ... judged on recent measurements only (this memory, in decode steps of the bucket): an
+# arm measured before the workload changed is no evidence against one measured after.
+DEFAULT_GUARD_MEMORY_STEPS = 2_000.0
 # At most this fraction of a bucket's (discounted) decode steps off its greedy arm, once the
 # first DEFAULT_EXPLORE_ALLOWANCE_STEPS steps of the bucket (free warm-up) are past.
 DEFAULT_EXPLORE_BUDGET = 0.1
@@ -93,6 +96,7 @@ class LearnerParams:
         guard_margin: loss in log goodput that makes the guardrail revert a greedy arm.
         guard_z: z-score the guardrail needs.
         guard_min_steps: discounted steps both arms need before the guardrail judges.
+        guard_memory_steps: memory of the measurements the guardrail judges on.
         explore_budget: cap on the fraction of a bucket's decode steps off its greedy arm.
         explore_allowance_steps: a bucket's first steps, free of the budget (warm-up).
         borrow_sd: drift per bucket of an arm's gap to the best, when a bucket that has not
@@ -111,6 +115,7 @@ class LearnerParams:
     guard_margin: float = DEFAULT_GUARD_MARGIN
     guard_z: float = DEFAULT_GUARD_Z
     guard_min_steps: float = DEFAULT_GUARD_MIN_STEPS
+    guard_memory_steps: float = DEFAULT_GUARD_MEMORY_STEPS
     explore_budget: float = DEFAULT_EXPLORE_BUDGET
     explore_allowance_steps: int = DEFAULT_EXPLORE_ALLOWANCE_STEPS
     borrow_sd: float = DEFAULT_BORROW_SD
@@ -143,19 +148,23 @@ class LearnerParams:
         for name in ("switch_margin", "guard_margin", "guard_z", "guard_min_steps"):
             value = getattr(self, name)
             _require(0 <= value < math.inf, name, ">= 0 and finite", value)
+        _require(1 <= self.guard_memory_steps < math.inf, "guard_memory_steps",
+                 ">= 1 and finite", self.guard_memory_steps)
         _require(0 <= self.explore_budget <= 1, "explore_budget", "in [0, 1]",
                  self.explore_budget)
 
 
 class _BucketState:
     __slots__ = (
-        "stats", "gap", "settle", "steps", "bud_total", "bud_off", "greedy", "live", "dwell",
+        "stats", "recent", "gap", "settle", "steps", "bud_total", "bud_off", "greedy", "live",
+        "dwell",
         "last_revert",
     )
 
     def __init__(self, arms: Iterable[int]) -> None:
         arms = tuple(arms)
         self.stats = {a: ArmStats() for a in arms}
+        self.recent = {a: ArmStats() for a in arms}  # short memory: the guardrail's evidence
         self.gap = {a: 0 for a in arms}  # steps of other arms since this arm last ran
         self.settle = {a: 0 for a in arms}  # transient steps left for this arm
         self.steps = 0  # raw decode steps of the bucket
@@ -202,6 +211,7 @@ class LearningPolicy(BasePolicy):
         self.params = params
         self._rng = random.Random(seed)
         self._gamma = 1.0 if math.isinf(params.memory_steps) else 1.0 - 1.0 / params.memory_steps
+        self._guard_gamma = 1.0 - 1.0 / params.guard_memory_steps
         self._state = [_BucketState(self.arms) for _ in range(len(self.buckets))]
         self._notes: list[str] = []
 
@@ -228,6 +238,9 @@ class LearningPolicy(BasePolicy):
         factor = self._gamma**s
         for arm_stats in st.stats.values():
             arm_stats.decay(factor)
+        recent = self._guard_gamma**s
+        for arm_stats in st.recent.values():
+            arm_stats.decay(recent)
         if st.steps >= p.explore_allowance_steps:
             st.bud_total = st.bud_total * factor + s
             off = st.greedy is not None and k != st.greedy
@@ -239,6 +252,7 @@ class LearningPolicy(BasePolicy):
         st.settle[k] -= transient
         weight = (s - transient) + transient * p.settle_weight
         st.stats[k].add(r, weight, weight / s, obs.b, s)
+        st.recent[k].add(r, weight, weight / s, obs.b, s)
         for arm in self.arms:
             st.gap[arm] = 0 if arm == k else st.gap[arm] + s
         st.steps += s
@@ -256,7 +270,7 @@ class LearningPolicy(BasePolicy):
             st.greedy = None
             return
         verdict = guard_check(
-            st.stats, choice, margin=p.guard_margin, z=p.guard_z,
+            st.recent, choice, margin=p.guard_margin, z=p.guard_z,
             min_steps=p.guard_min_steps, mean_sd=self._mean_sd,
         )
         if verdict is not None:

@@ -7,7 +7,7 @@
   from the accepted/drafted counters (observable whenever ``k > 0``, no exploration needed);
   a chain model (``P(A ≥ i) = α^i δ^(i(i−1)/2)``, α fitted to those means) fills in arms
   never run, and shrinks the noisy ones.
-- **Step time** ``T(b, k)`` is fitted as ``θ·[1, b, k, b·k, [k=0], [k=0]·b]`` over every
+- **Step time** ``T(b, k)`` is fitted as ``θ·[1, b, k, b·k, [k=0]]`` over every
   bucket's measured mean step times (the anchors' cost model is exactly bilinear in ``b``
   and ``k``), plus a residual field carried over from the nearest buckets where the arm ran
   (measured tables bend where the bilinear form does not), made monotone in ``b``.
@@ -44,9 +44,10 @@ __all__ = [
 # is scarce) and within a few seconds at hundreds.
 DEFAULT_ACCEPTANCE_MEMORY_REQUEST_STEPS = 100_000.0
 DEFAULT_ACCEPTANCE_MEMORY_STEPS = 5_000.0
-# Request-steps per independent acceptance sample: a request keeps its α for its whole life
-# (a few hundred steps).
-DEFAULT_ACCEPTANCE_CORR = 200.0
+# Request-steps per independent acceptance sample. A request keeps its α for its whole life,
+# so request-steps are not independent; but requests differ far less (α ~ Beta, κ ≈ 20)
+# than single steps do, and 30 matches the spread of per-window means in the simulator.
+DEFAULT_ACCEPTANCE_CORR = 30.0
 # Per-position decay used to extrapolate acceptance to arms not yet run (anchors §3.3).
 DEFAULT_CHAIN_DELTA = 0.973
 # Relative error of the step-time model one bucket away from where the arm was measured
@@ -56,8 +57,15 @@ DEFAULT_MODEL_SAMPLE_SCALE = 1.0
 # Step-time ordering across buckets (see ModelPolicy._order_step_times): cells at most this
 # uncertain bound their neighbours, with this much slack (log step time).
 DEFAULT_ORDER_CONFIDENT_SD = 0.03
+# Young buckets measure the arm with the best mean + OPTIMISM sd first.
+DEFAULT_OPTIMISM = 1.0
+# z-score at which the short acceptance memory overrules the long one (a workload shift).
+DEFAULT_SHIFT_Z = 3.0
 DEFAULT_ORDER_SLACK = 0.02
-_RIDGE = 1e-6
+_RIDGE = 1e-4
+# Shift detector: the short acceptance memory (decode steps) and the evidence it needs.
+_FAST_GAMMA = 1.0 - 1.0 / 400.0
+_FAST_MIN_REQUEST_STEPS = 2_000.0
 _FAR_SD = 0.5  # prediction spread where the model has nothing to go on
 
 
@@ -74,6 +82,9 @@ class ModelParams(LearnerParams):
         sample_scale: posterior draws are scaled by this.
         order_confident_sd: step-time cells at most this uncertain bound their neighbours.
         order_slack: slack of that bound (log step time).
+        optimism: while a bucket is within its exploration allowance, it runs the arm with
+            the best mean + ``optimism`` standard deviations (0 = posterior sampling only).
+        shift_z: z-score at which recent acceptance overrules the long memory (a shift).
     """
 
     acceptance_memory_request_steps: float = DEFAULT_ACCEPTANCE_MEMORY_REQUEST_STEPS
@@ -84,6 +95,8 @@ class ModelParams(LearnerParams):
     sample_scale: float = DEFAULT_MODEL_SAMPLE_SCALE
     order_confident_sd: float = DEFAULT_ORDER_CONFIDENT_SD
     order_slack: float = DEFAULT_ORDER_SLACK
+    optimism: float = DEFAULT_OPTIMISM
+    shift_z: float = DEFAULT_SHIFT_Z
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -100,6 +113,9 @@ class ModelParams(LearnerParams):
                  ">= 0 and finite", self.order_confident_sd)
         _require(0 <= self.order_slack < math.inf, "order_slack", ">= 0 and finite",
                  self.order_slack)
+        _require(0 <= self.optimism < math.inf, "optimism", ">= 0 and finite", self.optimism)
+        _require(0 < self.shift_z <= math.inf, "shift_z", "positive (inf = never)",
+                 self.shift_z)
 
 
 class ModelPolicy(LearningPolicy):
@@ -122,6 +138,9 @@ class ModelPolicy(LearningPolicy):
         )
         # per arm k > 0: discounted accepted drafts and request-steps
         self._acc = {k: [0.0, 0.0] for k in self.arms if k > 0}
+        # The same with a short memory: when it disagrees clearly with the long one, the
+        # workload changed, and the long memory restarts from it (detect and restart).
+        self._acc_fast = {k: [0.0, 0.0] for k in self.arms if k > 0}
         # per bucket, per arm: discounted log step time (ArmStats over log seconds)
         self._time = [{k: ArmStats() for k in self.arms} for _ in range(len(self.buckets))]
         self._occ = [[0.0, 0.0] for _ in range(len(self.buckets))]  # discounted steps, steps*b
@@ -129,6 +148,7 @@ class ModelPolicy(LearningPolicy):
         self._theta: np.ndarray | None = None
         self._comp: tuple[np.ndarray, dict[int, float], dict[int, float]] | None = None
         self._alpha = (0.7, 0.3)  # chain-model α and its standard error
+        self._bounds: tuple[np.ndarray, np.ndarray] | None = None  # log step-time bounds
 
     # --- learning -------------------------------------------------------------------------
 
@@ -147,13 +167,31 @@ class ModelPolicy(LearningPolicy):
             # rules out.
             req_steps = s * obs.b
             f = self._acc_gamma_rs**req_steps * self._acc_gamma_s**s
-            for acc in self._acc.values():
+            fast = _FAST_GAMMA**s
+            for acc, quick in zip(self._acc.values(), self._acc_fast.values(), strict=True):
                 acc[0] *= f
                 acc[1] *= f
-            self._acc[obs.k][0] += obs.accepted_drafts
-            self._acc[obs.k][1] += req_steps
+                quick[0] *= fast
+                quick[1] *= fast
+            for table in (self._acc, self._acc_fast):
+                table[obs.k][0] += obs.accepted_drafts
+                table[obs.k][1] += req_steps
+            self._detect_shift(obs.k)
         self._pred = None
         self._comp = None
+
+    def _detect_shift(self, k: int) -> None:
+        p = self.params
+        (a_slow, rs_slow), (a_fast, rs_fast) = self._acc[k], self._acc_fast[k]
+        if rs_fast < _FAST_MIN_REQUEST_STEPS or rs_slow <= rs_fast:
+            return
+        m_slow, m_fast = a_slow / rs_slow, a_fast / rs_fast
+        sd = (k / 2) * math.sqrt(p.acceptance_corr / rs_fast + p.acceptance_corr / rs_slow)
+        if abs(m_fast - m_slow) > p.shift_z * sd:
+            for arm in self._acc:
+                self._acc[arm][:] = self._acc_fast[arm]
+            self._note(f"acceptance changed: k={k} accepts {m_fast:.2f} drafts per request-"
+                       f"step, was {m_slow:.2f}; the acceptance estimate restarts")
 
     def _learn(self, j: int, obs: Observation, r: float) -> None:
         super()._learn(j, obs, r)
@@ -231,73 +269,90 @@ class ModelPolicy(LearningPolicy):
         return alpha, min(sd, 0.3)
 
     def _features(self, b: float, k: int) -> list[float]:
+        # Per-request cost (b) is shared by every arm, each draft token adds its own (b·k):
+        # so k = 0's growth in b is learnt from every arm, not only from where k = 0 ran.
+        # k = 0 keeps its own intercept (no verify of extra tokens, a lone draft extend).
         z = 1.0 if k == 0 else 0.0
         bs = b / 64.0
-        return [1.0, bs, k / 4.0, bs * k / 4.0, z, z * bs]
+        return [1.0, bs, k / 4.0, bs * k / 4.0, z]
 
     def _time_model(self) -> np.ndarray:
-        """Log step time per (bucket, arm), with its spread: array [bucket, arm, 2]."""
+        """Log step time per (bucket, arm) from the other buckets: [bucket, arm, (mean, sd)].
+
+        A least-squares fit of the bilinear form to every measured (bucket, arm) cell, in
+        relative terms (each cell weighs by its steps, capped so one busy cell cannot
+        drown the shape), plus the residual field of the buckets that ran the arm. Its
+        spread is the fit's own parameter uncertainty at that point (large where the data
+        cannot tell, e.g. how k = 0 grows with b before it ran at two batch sizes) plus the
+        misfit carried by the residual field.
+        """
         p = self.params
         rows, ys, ws = [], [], []
-        for j, per_arm in enumerate(self._time):
+        for per_arm in self._time:
             for k, t in per_arm.items():
                 if t.seen:
                     rows.append(self._features(t.mean_b, k))
                     ys.append(math.exp(t.mean))
-                    ws.append(min(t.w, 1000.0) / math.exp(2 * t.mean))
+                    ws.append(min(t.w, 100.0) / 100.0)
         nb, na = len(self.buckets), len(self.arms)
         out = np.zeros((nb, na, 2))
         rep = [self._rep_b(j) for j in range(nb)]
+        self._theta = None
         if not rows:
             out[:, :, 0] = math.log(0.01)
-            out[:, :, 1] = _FAR_SD * 4
+            out[:, :, 1] = _FAR_SD
             return out
         x, y, w = np.array(rows), np.array(ys), np.array(ws)
         sw = np.sqrt(w)
-        a = x * sw[:, None]
-        theta = np.linalg.solve(a.T @ a + _RIDGE * np.trace(a.T @ a) * np.eye(x.shape[1]),
-                                a.T @ (y * sw))
+        a = (x / y[:, None]) * sw[:, None]  # relative errors: rows x/y against target 1
+        gram = a.T @ a
+        reg = gram + _RIDGE * max(float(np.trace(gram)), 1e-12) * np.eye(x.shape[1])
+        inv = np.linalg.inv(reg)
+        theta = inv @ (a.T @ sw)
         self._theta = theta
-        t_lo, t_hi = float(y.min()) * 0.3, float(y.max()) * 10.0
-        # How far the bilinear form misses the measured cells calibrates how much to trust it
-        # away from them (shrunk towards time_model_sd while there are few cells).
-        fitted = np.clip(x @ theta, t_lo, t_hi)
-        resid_all = np.log(y) - np.log(fitted)
+        rel = 1.0 - (x @ theta) / y
         dof = max(len(ys) - x.shape[1], 0)
-        unit = math.sqrt((4 * p.time_model_sd**2 + float(resid_all @ resid_all)) / (4 + dof))
+        # Misfit per unit weight, shrunk towards time_model_sd while cells are few.
+        unit2 = (4 * p.time_model_sd**2 + float(w @ (rel * rel))) / (4 + dof)
+        unit = math.sqrt(unit2)
+        cov = unit2 * inv
+        t_lo, t_hi = float(y.min()) * 0.3, float(y.max()) * 10.0
+
+        def fit(b: float, k: int) -> tuple[float, float]:
+            f = np.array(self._features(b, k))
+            pred = float(f @ theta)
+            if pred <= 0:
+                return math.log(t_lo), _FAR_SD
+            sd = math.sqrt(max(float(f @ cov @ f), 0.0)) / pred
+            return math.log(min(max(pred, t_lo), t_hi)), sd
+
         for ai, k in enumerate(self.arms):
             observed = [j for j in range(nb) if self._time[j][k].seen]
-            resid = {
-                j: self._time[j][k].mean
-                - math.log(min(max(float(np.dot(theta, self._features(
-                    self._time[j][k].mean_b, k))), t_lo), t_hi))
-                for j in observed
-            }
+            resid = {j: self._time[j][k].mean - fit(self._time[j][k].mean_b, k)[0]
+                     for j in observed}
             prev = -math.inf
             for j in range(nb):
-                base = math.log(min(max(float(np.dot(theta, self._features(rep[j], k))), t_lo),
-                                    t_hi))
+                base, sd_fit = fit(rep[j], k)
                 # The residual field of the *other* buckets that ran this arm (the bucket's
                 # own measurements enter as the likelihood, not twice): interpolated between
-                # the nearest on each side, carried flat beyond the last one, and less certain
-                # the further it reaches (extrapolation more so).
+                # the nearest on each side, carried flat beyond the last one.
                 left = max((i for i in observed if i < j), default=None)
                 right = min((i for i in observed if i > j), default=None)
                 if left is not None and right is not None:
-                    w = (j - left) / (right - left)
-                    base += (1 - w) * resid[left] + w * resid[right]
-                    sd = unit * math.sqrt(min(j - left, right - j))
+                    frac = (j - left) / (right - left)
+                    base += (1 - frac) * resid[left] + frac * resid[right]
+                    sd_field = unit * math.sqrt(min(j - left, right - j))
                 elif left is not None or right is not None:
                     near = left if left is not None else right
                     assert near is not None
                     base += resid[near]
-                    sd = unit * abs(j - near)
+                    sd_field = unit * abs(j - near)
                 else:
-                    sd = _FAR_SD
+                    sd_field = unit
                 # Monotone in b: a bigger batch never runs a step faster.
                 base = max(base, prev)
                 prev = base
-                out[j, ai] = (base, min(sd, _FAR_SD))
+                out[j, ai] = (base, min(math.hypot(sd_fit, sd_field), _FAR_SD))
         return out
 
     def _step_times(self) -> np.ndarray:
@@ -321,7 +376,7 @@ class ModelPolicy(LearningPolicy):
         self._order_step_times(t)
         return t
 
-    def _order_step_times(self, t: np.ndarray) -> None:
+    def _order_step_times(self, t: np.ndarray) -> None:  # noqa: C901 - one rule, two passes
         """More drafting gets relatively dearer as the batch grows.
 
         For arms ``k > k'`` the ratio ``T(b, k) / T(b, k')`` does not fall as ``b`` grows:
@@ -332,35 +387,47 @@ class ModelPolicy(LearningPolicy):
         model from exploring deep drafting at large batches it has never run them at.
         """
         p = self.params
-        nb = len(self.buckets)
-        for hi in range(1, len(self.arms)):
+        nb, na = len(self.buckets), len(self.arms)
+        # Bounds on each cell's log step time, for the sampler (draws are clipped to them).
+        lo_b = np.full((nb, na), -np.inf)
+        hi_b = np.full((nb, na), np.inf)
+        for hi in range(1, na):
             for lo in range(hi):
-                diff = t[:, hi, 0] - t[:, lo, 0]
                 sure = np.maximum(t[:, hi, 1], t[:, lo, 1]) <= p.order_confident_sd
-                floor = -math.inf
+                floor = -math.inf  # the ratio measured in the buckets below
                 for j in range(nb):
+                    d = t[j, hi, 0] - t[j, lo, 0]
                     if sure[j]:
-                        floor = max(floor, diff[j])
-                    elif diff[j] < floor - p.order_slack:
+                        floor = max(floor, d)
+                        continue
+                    if d < floor - p.order_slack:
                         self._move(t, j, hi, lo, floor - p.order_slack)
-                ceil = math.inf
+                    if math.isfinite(floor):
+                        lo_b[j, hi] = max(lo_b[j, hi], t[j, lo, 0] + floor - p.order_slack)
+                        hi_b[j, lo] = min(hi_b[j, lo], t[j, hi, 0] - floor + p.order_slack)
+                ceil = math.inf  # ... and above
                 for j in reversed(range(nb)):
                     d = t[j, hi, 0] - t[j, lo, 0]
                     if sure[j]:
                         ceil = min(ceil, d)
-                    elif d > ceil + p.order_slack:
+                        continue
+                    if d > ceil + p.order_slack:
                         self._move(t, j, hi, lo, ceil + p.order_slack)
+                    if math.isfinite(ceil):
+                        hi_b[j, hi] = min(hi_b[j, hi], t[j, lo, 0] + ceil + p.order_slack)
+                        lo_b[j, lo] = max(lo_b[j, lo], t[j, hi, 0] - ceil - p.order_slack)
+        self._bounds = (lo_b, np.maximum(hi_b, lo_b))
 
     @staticmethod
     def _move(t: np.ndarray, j: int, hi: int, lo: int, target: float) -> None:
-        # Move the less certain of the two arms so that log T_hi - log T_lo == target; the
-        # bound came from measured buckets, so the moved arm becomes about as certain.
-        if t[j, hi, 1] >= t[j, lo, 1]:
-            t[j, hi, 0] = t[j, lo, 0] + target
-            t[j, hi, 1] = min(t[j, hi, 1], t[j, lo, 1] + 0.02)
-        else:
-            t[j, lo, 0] = t[j, hi, 0] - target
-            t[j, lo, 1] = min(t[j, lo, 1], t[j, hi, 1] + 0.02)
+        # Move the less certain of the two arms onto the bound (log T_hi - log T_lo ==
+        # target). The bound is one-sided: the truth may lie well inside it, so the moved
+        # arm keeps its spread, widened by how far the model was off (draws are clipped to
+        # the bound's side).
+        a, other, sign = (hi, lo, 1.0) if t[j, hi, 1] >= t[j, lo, 1] else (lo, hi, -1.0)
+        new = t[j, other, 0] + sign * target
+        t[j, a, 1] = max(t[j, a, 1], abs(new - t[j, a, 0]))
+        t[j, a, 0] = new
 
     def _components(self) -> tuple[np.ndarray, dict[int, float], dict[int, float]]:
         """``(log step time [bucket, arm, 2], E[emitted] mean per arm, its sd per arm)``."""
@@ -423,6 +490,18 @@ class ModelPolicy(LearningPolicy):
                      for st in self._state)
 
     def _explore(self, j: int, greedy: int) -> int:
+        """While the bucket is young (within its free exploration allowance), measure the arm
+        whose optimistic value (mean + ``optimism`` sd) is highest: each plausible arm once,
+        early, where a measurement is worth most. Afterwards, posterior sampling."""
+        p, st = self.params, self._state[j]
+        if st.steps < p.explore_allowance_steps and p.optimism > 0:
+            post = self._posterior()[j]
+            values = post[:, 0] + p.optimism * post[:, 1]
+            ai = max(range(len(self.arms)), key=lambda i: (values[i], -self.arms[i]))
+            return self.arms[ai]
+        return self._sample(j, greedy)
+
+    def _sample(self, j: int, greedy: int) -> int:
         """One posterior draw per arm. Acceptance is one quantity for all arms: one draw of
         the chain model's α moves every arm's emitted tokens together (so an arm cannot look
         better through acceptance that the others do not share), and never past ``k + 1``."""
@@ -436,7 +515,10 @@ class ModelPolicy(LearningPolicy):
             shift = (expected_accepted(drawn, p.chain_delta, arm)
                      - expected_accepted(alpha, p.chain_delta, arm))
             e = min(max(em[arm] + shift, 1.0), 1.0 + arm)
-            draw = math.log(e) - (t[j, ai, 0] + scale * t[j, ai, 1] * gauss(0, 1))
+            lt = t[j, ai, 0] + scale * t[j, ai, 1] * gauss(0, 1)
+            if self._bounds is not None:
+                lt = min(max(lt, self._bounds[0][j, ai]), self._bounds[1][j, ai])
+            draw = math.log(e) - lt
             if draw > best_draw:
                 best_arm, best_draw = arm, draw
         return best_arm

@@ -222,7 +222,9 @@ class TableParams:
         try:
             rows = tuple((r[0], r[1]) for r in self.table)
         except (TypeError, IndexError):
-            raise ValueError(f"table must be (max_batch_size, k) rows, got {self.table!r}")
+            raise ValueError(
+                f"table must be (max_batch_size, k) rows, got {self.table!r}"
+            ) from None
         object.__setattr__(self, "table", rows)
 
 

@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from policies import DEFAULT_POLICY
 from tuner.bench import BenchConfig, parse_policy_spec, run_bench, run_one
 from tuner.cli import main
 from tuner.errors import ConfigError
@@ -65,14 +66,14 @@ def test_policy_specs_and_config_errors():
 
 def test_bench_checks_targets_for_the_default_policy():
     config = BenchConfig(profiles=("h100-llama8b",), workloads=("hard",), load="15:1,15:16",
-                         policies=("threshold", "thompson"), warmup_s=5.0, jobs=1)
+                         policies=("threshold", DEFAULT_POLICY), warmup_s=5.0, jobs=1)
     result = run_bench(config)
-    assert [r.policy for r in result.runs] == ["threshold", "thompson"]
+    assert [r.policy for r in result.runs] == ["threshold", DEFAULT_POLICY]
     assert len(result.checks) == 6
     beat = result.checks[2]
     assert "phase comparisons" in beat.detail
     data = result.to_json()
-    assert json.loads(json.dumps(data))["runs"][1]["policy"] == "thompson"
+    assert json.loads(json.dumps(data))["runs"][1]["policy"] == DEFAULT_POLICY
     assert dataclasses.asdict(config) == data["config"]
 
 

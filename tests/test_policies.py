@@ -179,7 +179,7 @@ def test_registry_and_errors():
 def test_tables_only_use_built_arms(name):
     p = make_policy(name, arms=ARMS, seed=0)
     for i in range(60):
-        for bound, k in p.propose():
+        for _, k in p.propose():
             assert k in ARMS
         p.update(obs(ARMS[i % 4], 100.0 + i, b=1 + (i * 7) % 300))
     assert p.greedy()[-1][0] is None

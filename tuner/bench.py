@@ -314,7 +314,7 @@ def _run_json(r: RunResult) -> dict[str, Any]:
     return out
 
 
-# --- one run --------------------------------------------------------------------------------------
+# --- one run ------------------------------------------------------------------------------
 
 
 def sglang_available() -> bool:
@@ -377,6 +377,7 @@ class _Episode:
     start_ticks: int
     start_steps: int
     good_since: tuple[int, int] | None = None
+    occupancy: dict[int, float] = field(default_factory=dict)  # b -> decode busy seconds
 
 
 @dataclass
@@ -387,7 +388,9 @@ class _BucketTrack:
     done: list[tuple[bool, int, int]] = field(default_factory=list)  # (converged, ticks, steps)
 
 
-def _load_phases(load: str, duration: float | None, seed: int) -> list[tuple[float, float, int | None]]:
+def _load_phases(
+    load: str, duration: float | None, seed: int
+) -> list[tuple[float, float, int | None]]:
     spec = parse_load(load, seed=seed)
     if isinstance(spec, ClosedLoop):
         out, t = [], 0.0
@@ -618,13 +621,18 @@ def _track(
     good: Callable[[int, int, int, float], float], best: Callable[[int, int, float], float],
     t: float,
 ) -> None:
-    """One tick of a bucket's convergence bookkeeping (greedy quality at the b's that ran)."""
+    """One tick of a bucket's convergence bookkeeping."""
     if track.episode is not None and track.episode.mix != mix:
         _close(track)
     if track.episode is None:
         track.episode = _Episode(mix, track.ticks, track.steps)
-    got = sum(busy * good(b, lookup(table, engine.padded(b)), mix, t) for b, busy in seen)
-    top = sum(busy * best(b, mix, t) for b, busy in seen)
+    # Judged over the bucket's traffic so far in the episode, so a few ticks of a load ramp
+    # through the bucket's edge do not outweigh the batch sizes it mostly runs.
+    occ = track.episode.occupancy
+    for b, busy in seen:
+        occ[b] = occ.get(b, 0.0) + busy
+    got = sum(busy * good(b, lookup(table, engine.padded(b)), mix, t) for b, busy in occ.items())
+    top = sum(busy * best(b, mix, t) for b, busy in occ.items())
     ok = top <= 0 or got >= (1 - CONVERGE_TOLERANCE) * top
     ep = track.episode
     if ok and ep.good_since is None:
@@ -646,7 +654,7 @@ def _close(track: _BucketTrack) -> None:
     track.episode = None
 
 
-# --- the whole bench ------------------------------------------------------------------------------
+# --- the whole bench ------------------------------------------------------------------------
 
 
 def _run_kwargs(config: BenchConfig) -> dict[str, Any]:
@@ -745,7 +753,7 @@ def check_targets(result: BenchResult, *, policy: str = DEFAULT_POLICY) -> list[
             other = runs.get(base)
             if other is None:
                 continue
-            for a, b in zip(me.phases, other.phases):
+            for a, b in zip(me.phases, other.phases, strict=True):
                 if math.isfinite(b.pct_oracle_all) and b.pct_oracle_all < 99.0:
                     compared += 1
                     if not a.pct_oracle_all >= b.pct_oracle_all:
@@ -770,7 +778,7 @@ def check_targets(result: BenchResult, *, policy: str = DEFAULT_POLICY) -> list[
             other = runs.get(base)
             if other is None:
                 continue
-            for a, b in zip(me.phases, other.phases):
+            for a, b in zip(me.phases, other.phases, strict=True):
                 c = a.concurrency
                 if c is None or c < lo_c or (hi_c is not None and c > hi_c) or b.goodput <= 0:
                     continue
