@@ -197,7 +197,7 @@ class Storage:
         try:
             yield session
             session.commit()
-        except SQLAlchemyError as exc:
+        except (SQLAlchemyError, OverflowError) as exc:  # sqlite3 raises the latter raw
             try:
                 session.rollback()
             except SQLAlchemyError:

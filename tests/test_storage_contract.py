@@ -104,6 +104,16 @@ def test_policy_versions_and_latest_per_server(db_url):
         assert [v.version for v in st.policy_versions(server=A)] == [3, 4]
 
 
+def test_an_out_of_range_row_is_a_storage_error_and_writes_nothing(db_url):
+    """Never an exception the daemon does not expect: it would end the loop."""
+    with Storage(db_url) as st:
+        with pytest.raises(StorageError):
+            st.record_tick(observations=[obs(A, 1.0), obs(A, 2.0, steps=2**70)])
+        assert st.count_observations() == 0
+        st.record_tick(observations=[obs(A, 1.0)])
+        assert st.count_observations() == 1
+
+
 def test_bare_postgresql_url_uses_the_installed_driver(postgres_url):
     bare = make_url(postgres_url).set(drivername="postgresql").render_as_string(
         hide_password=False)

@@ -19,6 +19,7 @@ from typing import Any
 
 __all__ = [
     "KEY_PREFIX",
+    "MAX_INT",
     "MAX_ROWS",
     "PROTOCOL_VERSION",
     "UNBOUNDED",
@@ -42,6 +43,10 @@ KEY_PREFIX = "dynspec_"
 UNBOUNDED = -1
 # A table has one row per bucket at most; SGLang's graph batch sizes give well under this.
 MAX_ROWS = 64
+# Every integer on the wire (versions, bounds, arms, counters) stays within what a JSON double
+# holds exactly and a 64-bit database column stores: a hostile or broken peer sending 1e308
+# must be refused here, not poison the history or lock the version out of reach.
+MAX_INT = 2**53 - 1
 
 Row = tuple[int | None, int]
 Table = tuple[Row, ...]
@@ -57,10 +62,24 @@ def _as_int(value: object, what: str) -> int:
     if isinstance(value, bool):
         raise ProtocolError(f"{what} must be an integer, got {value!r}")
     if isinstance(value, int):
-        return value
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        return int(value)
-    raise ProtocolError(f"{what} must be an integer, got {value!r}")
+        out = value
+    elif isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        out = int(value)
+    else:
+        raise ProtocolError(f"{what} must be an integer, got {value!r}")
+    if not -MAX_INT <= out <= MAX_INT:
+        raise ProtocolError(f"{what} must be within +-2^53, got {value!r}")
+    return out
+
+
+def _as_float(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProtocolError(f"{what} must be a finite number, got {value!r}")
+    if isinstance(value, int) and not -MAX_INT <= value <= MAX_INT:
+        raise ProtocolError(f"{what} must be within +-2^53, got {value!r}")
+    if not math.isfinite(value):
+        raise ProtocolError(f"{what} must be a finite number, got {value!r}")
+    return float(value)
 
 
 def validate_table(rows: Iterable[Sequence[object]], arms: Iterable[int] | None = None) -> Table:
@@ -260,9 +279,7 @@ class CounterRow:
         if not isinstance(row, (list, tuple)) or len(row) != len(COUNTER_FIELDS):
             raise ProtocolError(f"counter row must have {len(COUNTER_FIELDS)} numbers: {row!r}")
         ints = [_as_int(v, f"counter {name}") for v, name in zip(row[:6], COUNTER_FIELDS)]
-        busy = row[6]
-        if isinstance(busy, bool) or not isinstance(busy, (int, float)) or not math.isfinite(busy):
-            raise ProtocolError(f"counter busy_s must be a finite number, got {busy!r}")
+        busy = _as_float(row[6], "counter busy_s")
         if min(ints) < 0 or busy < 0:
             raise ProtocolError(f"counter row has a negative value: {row!r}")
         if ints[0] < 1:
@@ -334,6 +351,8 @@ class DynspecState:
             started = obj["started_at"]
             if isinstance(started, bool) or not isinstance(started, (int, float)):
                 raise ProtocolError(f"started_at must be a number, got {started!r}")
+            # Finite: NaN never equals itself, and would read as a restart at every tick.
+            started = _as_float(started, "started_at")
             version = _as_int(obj["policy_version"], "policy_version")
             if version < 0:
                 raise ProtocolError(f"policy_version must be >= 0, got {version}")
@@ -346,7 +365,7 @@ class DynspecState:
                 policy_version=version,
                 table=table_from_json(obj["table"], arms),
                 counters=tuple(CounterRow.from_json(r) for r in counters_raw),
-                started_at=float(started),
+                started_at=started,
                 updates_applied=_as_int(obj.get("updates_applied", 0), "updates_applied"),
                 updates_rejected=_as_int(obj.get("updates_rejected", 0), "updates_rejected"),
                 hooks_live=hooks_live,
