@@ -1,0 +1,134 @@
+"""Fleets: several daemons on one database (SQLite and PostgreSQL), pools of identical replicas
+learning from each other (live and at warm start), one daemon watching many servers."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from storage import Storage
+from tuner.config import TunerConfig
+from tuner.daemon import Daemon
+from tuner.errors import ConfigError
+from tuner.sim.server import SimServer
+
+
+class FakeClock:
+    def __init__(self, t: float = 1_000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Sim:
+    """A simulated server whose virtual time moves only by :meth:`step`."""
+
+    def __init__(self, seed: int) -> None:
+        self.t = 0.0
+        self.server = SimServer(load="16", speed=1.0, clock=lambda: self.t, seed=seed)
+
+    def __enter__(self) -> Sim:
+        self.server.start()
+        self.addr = f"127.0.0.1:{self.server.port}"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.stop()
+
+    def step(self) -> None:
+        self.t += 1.0
+        with self.server.lock:
+            self.server.engine.run_until(self.server.virtual_now())
+
+
+def daemon(addrs, url: str, clock: FakeClock, **cfg) -> Daemon:
+    config = TunerConfig(servers=tuple(addrs), db_url=url, interval_s=1.0,
+                         decision_period_s=2.0, policy="thompson", **cfg)
+    return Daemon(config, storage=Storage(url), clock=clock)
+
+
+def rounds(n: int, clock: FakeClock, sims, daemons) -> None:
+    for _ in range(n):
+        for s in sims:
+            s.step()
+        clock.t += 1.0
+        for d in daemons:
+            d.run_once()
+
+
+def steps_known(d: Daemon) -> float:
+    snap = d.status().servers[0].snapshot
+    return sum(e.n for e in snap.estimates)
+
+
+def test_pool_mates_on_one_database_learn_from_each_other(db_url, caplog):
+    clock = FakeClock()
+    with Sim(1) as s1, Sim(2) as s2, Sim(3) as s3:
+        a = daemon([s1.addr], db_url, clock, pool="h200-llama8b")
+        b = daemon([s2.addr], db_url, clock, pool="h200-llama8b")
+        loner = daemon([s3.addr], db_url, clock)  # same database, no pool
+        rounds(12, clock, [s1, s2, s3], [a, b, loner])
+        final_ts = clock.t
+        with Storage(db_url, read_only=True) as st:
+            # Every row carries its server; the pool is recorded with the server.
+            assert {s.address: s.pool for s in st.servers()} == {
+                s1.addr: "h200-llama8b", s2.addr: "h200-llama8b", s3.addr: None}
+            # a ticks before b: a has b's rows up to the last round, b has all of a's.
+            b_rows = [o for o in st.observations(server=s2.addr) if o.ts < final_ts]
+            a_rows = st.observations(server=s1.addr)
+        # Live: each tick, a's policy got b's new rows, and back.
+        assert 0.9 * len(b_rows) <= a.status().servers[0].pooled <= len(b_rows)
+        assert 0.9 * len(a_rows) <= b.status().servers[0].pooled <= len(a_rows)
+        assert loner.status().servers[0].pooled == 0
+        assert steps_known(a) > 1.5 * steps_known(loner)
+        # Each daemon pushes only to its own server.
+        for d, sim in ((a, s1), (b, s2)):
+            (st_,) = d.status().servers
+            assert st_.address == sim.addr and st_.pushes >= 1
+        # Warm start: a new replica of the pool starts from everything the pool recorded.
+        with Sim(4) as s4, caplog.at_level(logging.INFO, logger="tuner.daemon"):
+            c = daemon([s4.addr], db_url, clock, pool="h200-llama8b")
+            c.run_once()
+            assert any("warm start from" in m and "(pool h200-llama8b)" in m
+                       for m in caplog.messages)
+            assert steps_known(c) > 0.5 * (steps_known(a) + steps_known(b)) / 2
+            c.shutdown()
+        for d in (a, b, loner):
+            d.shutdown()
+
+
+def test_one_daemon_many_servers_from_a_file_each_on_its_own(tmp_path):
+    clock = FakeClock()
+    with Sim(1) as s1, Sim(2) as s2, Sim(3) as s3:
+        listing = tmp_path / "servers.txt"
+        listing.write_text(f"# rack 7\n{s1.addr}\n\n{s2.addr}  # the odd one\n")
+        config = TunerConfig.from_sources(
+            {"servers_file": str(listing), "servers": (s3.addr,), "policy": "never",
+             "db_url": f"sqlite:///{tmp_path / 'h.db'}", "decision_period_s": 2.0}, env={})
+        assert config.servers == (s3.addr, s1.addr, s2.addr)
+        s2.server.faults.add("503:/server_info")  # one server keeps failing
+        d = Daemon(config, storage=Storage(config.db_url), clock=clock)
+        d.run_once()
+        rounds(10, clock, [s1, s2, s3], [d])
+        by_addr = {s.address: s for s in d.status().servers}
+        assert not by_addr[s2.addr].up and by_addr[s2.addr].errors >= 4
+        for sim in (s1, s3):
+            st = by_addr[sim.addr]
+            assert st.up and st.observations > 0 and st.pushes == 1
+        d.shutdown()
+        assert {s.address for s in d.storage.servers()} >= {s1.addr, s3.addr}
+
+
+def test_servers_file_and_pool_errors_name_the_file_line_and_value(tmp_path):
+    bad = tmp_path / "servers.txt"
+    bad.write_text("gpu-1:30000\ngpu-2\n")
+    with pytest.raises(ConfigError, match=r"servers.txt' line 2: server 'gpu-2' must be"):
+        TunerConfig.from_sources({"servers_file": str(bad)}, env={})
+    (tmp_path / "empty.txt").write_text("# nothing yet\n")
+    with pytest.raises(ConfigError, match="lists no server"):
+        TunerConfig.from_sources({}, env={"DYNSPEC_SERVERS_FILE": str(tmp_path / "empty.txt")})
+    with pytest.raises(ConfigError, match="pool 'two words'"):
+        TunerConfig(pool="two words")
+    assert TunerConfig.from_sources({}, env={"DYNSPEC_POOL": "h200"}).pool == "h200"
