@@ -1,0 +1,81 @@
+"""``dynspec-tuner sweep`` end to end: against the simulator's HTTP server on loopback (arms
+pinned through the plugin's update path, the server's table restored), and its errors."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import optuna
+import pytest
+
+from tuner import policyfile
+from tuner.cli import main
+from tuner.client import SGLangClient
+from tuner.sim.server import SimServer
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sweep_against_the_simulator_pins_arms_restores_the_table_and_writes_outputs(
+    tmp_path, capsys
+):
+    db = f"sqlite:///{tmp_path / 'sweep.db'}"
+    out = tmp_path / "out" / "sw.json"
+    with SimServer(profile="seed-kimi-pcie", speed=10.0, seed=3) as sim:
+        address = f"127.0.0.1:{sim.port}"
+        client = SGLangClient(address)
+        before = client.read_state()[0]
+        rc = main([
+            "sweep", "--server", address, "--concurrency", "1,8",
+            "--arms", "0,3", "--max-tokens", "48", "--per-level", "1", "--warmup", "0.1",
+            "--db", db, "--out", str(out), "--study", "t",
+        ])
+        after = client.read_state()[0]
+        client.close()
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "output tokens/s by concurrency" in text and "learned table:" in text
+    # The server ran each pinned arm (its counters say so) and got its own table back.
+    assert after.table == before.table
+    assert after.policy_version > before.policy_version
+    assert after.updates_rejected == 0
+    doc = json.loads(out.read_text())
+    assert doc["server"] == address and doc["max_tokens"] == 48
+    for cell in doc["cells"]:
+        if cell["arm"] != "table":
+            assert set(cell["server"]["steps_by_arm"]) == {str(cell["arm"])}
+    # On this profile no drafting wins by 40 % at eight requests (the oracle's margin is far
+    # above what this fast, short-request test can blur; one request is left to the benchmark).
+    assert doc["best"]["8"] == 0 and set(doc["best"]) == {"1", "8"}
+    assert out.with_suffix(".txt").read_text().startswith("dynspec-tuner sweep of")
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    pf = policyfile.load(out.with_name("sw.policy.json"))
+    assert [list(r) for r in pf.table] == doc["table"] and pf.provenance.policy == "sweep"
+    assert pf.arms == tuple(before.arms)
+    # The study is in the database for optuna-dashboard.
+    study = optuna.load_study(study_name="t", storage=db)
+    assert {(t.params["concurrency"], t.params["arm"]) for t in study.trials} >= {(1, 3), (8, 0)}
+
+
+def test_unreachable_server_exits_1_naming_it(tmp_path, capsys):
+    port = free_port()
+    rc = main(["sweep", "--server", f"127.0.0.1:{port}", "--db",
+               f"sqlite:///{tmp_path / 's.db'}", "--out", str(tmp_path / "s.json")])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert f"127.0.0.1:{port}" in err and "cannot reach" in err
+    assert not (tmp_path / "s.json").exists()
+
+
+def test_bad_prompt_file_exits_2_naming_file_and_line(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "ok"}\n{"prompt": \n', encoding="utf-8")
+    rc = main(["sweep", "--server", "127.0.0.1:9", "--prompts", str(prompts)])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert str(prompts) in err and "line 2" in err
