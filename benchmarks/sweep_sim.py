@@ -41,7 +41,9 @@ def _csv_ints(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in text.split(",") if p.strip())
 
 
-def _run(sim: SimServer, config: SweepConfig, args: argparse.Namespace, db: str) -> tuple[SweepResult, float]:
+def _run(
+    sim: SimServer, config: SweepConfig, args: argparse.Namespace, db: str
+) -> tuple[SweepResult, float]:
     t0 = time.monotonic()
     result = asyncio.run(
         sweep_server(
@@ -77,7 +79,8 @@ def main() -> int:
     ap.add_argument("--levels", type=_csv_ints, default=DEFAULT_LEVELS)
     ap.add_argument("--arms", type=_csv_ints, default=(0, 1, 3, 5))
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--per-level", type=float, default=15.0, help="wall seconds per window, at most")
+    ap.add_argument("--per-level", type=float, default=15.0,
+                    help="wall seconds per window, at most")
     ap.add_argument("--warmup", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--baseline", action="store_true",

@@ -10,6 +10,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Self
 
 import pytest
 
@@ -94,7 +95,7 @@ class CountingServer:
         self.httpd.daemon_threads = True
         self.address = f"127.0.0.1:{self.httpd.server_address[1]}"
 
-    def __enter__(self) -> CountingServer:
+    def __enter__(self) -> Self:
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
         return self
 
@@ -262,7 +263,8 @@ def test_a_refused_api_key_stops_the_load_and_says_which_flag():
 
 
 def test_transient_5xx_are_counted_and_survived_but_not_forever():
-    flaky = CountingServer(reply=lambda n: (503, {}) if n % 2 else (200, {"usage": {"completion_tokens": 5}}))
+    ok = (200, {"usage": {"completion_tokens": 5}})
+    flaky = CountingServer(reply=lambda n: (503, {}) if n % 2 else ok)
     with flaky as srv:
 
         async def go():

@@ -7,7 +7,6 @@ import json
 import socket
 
 import optuna
-import pytest
 
 from tuner import policyfile
 from tuner.cli import main
@@ -79,3 +78,63 @@ def test_bad_prompt_file_exits_2_naming_file_and_line(tmp_path, capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert str(prompts) in err and "line 2" in err
+
+
+def test_stock_sglang_is_measured_on_its_configured_arm_only(tmp_path, capsys):
+    from tuner.sim.faults import Fault
+
+    out = tmp_path / "stock.json"
+    with SimServer(profile="seed-kimi-pcie", speed=10.0, seed=4) as sim:
+        sim.faults.add(Fault(kind="stock"))  # readouts without the "dynspec" section
+        configured = sim.server_args()["speculative_num_steps"]
+        rc = main([
+            "sweep", "--server", f"127.0.0.1:{sim.port}", "--concurrency", "1,2",
+            "--arms", "0,1,3", "--max-tokens", "32", "--per-level", "0.6", "--warmup", "0.1",
+            "--db", f"sqlite:///{tmp_path / 's.db'}", "--out", str(out),
+        ])
+        applied = sim.core.updates_applied
+    assert rc == 0
+    captured = capsys.readouterr()
+    assert "stock SGLang" in captured.err and f"k={configured}" in captured.err
+    assert "adaptive" in captured.err  # the simulator reports --speculative-adaptive
+    doc = json.loads(out.read_text())
+    assert doc["arms"] == [configured] and doc["pinnable"] is False
+    assert {c["arm"] for c in doc["cells"]} == {configured}
+    assert applied == 0  # nothing was pushed
+    assert any("--arms 0,1,3 ignored" in n for n in doc["notes"])
+
+
+def test_ctrl_c_stops_cleanly_keeps_the_windows_and_restores_the_table(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "int.json"
+    with SimServer(profile="seed-kimi-pcie", speed=10.0, seed=5) as sim:
+        address = f"127.0.0.1:{sim.port}"
+        client = SGLangClient(address)
+        before = client.read_state()[0]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tuner.cli", "sweep", "--server", address,
+             "--concurrency", "1,2,4,8", "--max-tokens", "32", "--per-level", "0.6",
+             "--warmup", "0.1", "--db", f"sqlite:///{tmp_path / 's.db'}", "--out", str(out)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "COLUMNS": "200"},
+        )
+        assert proc.stderr is not None
+        # Wait for two finished windows (their lines), then press Ctrl-C.
+        done = 0
+        for line in proc.stderr:
+            done += "tok/s ±" in line
+            if done == 2:
+                break
+        proc.send_signal(signal.SIGINT)
+        stdout, _ = proc.communicate(timeout=60)
+        after = client.read_state()[0]
+        client.close()
+    assert proc.returncode == 130
+    assert "interrupted: kept every completed window" in stdout
+    doc = json.loads(out.read_text())
+    assert doc["interrupted"] is True and doc["windows"] >= 2
+    assert after.table == before.table

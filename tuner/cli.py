@@ -11,11 +11,17 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from tuner import __version__
 from tuner.errors import ConfigError, DynspecError
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
+
+    from tuner.sweep import SweepEvent
 
 __all__ = ["main"]
 
@@ -1029,51 +1035,48 @@ class _SweepView:
     """Rich progress for a sweep: one bar per level (arms measured or ruled out), one for the
     window being measured, and a line per finished window."""
 
-    def __init__(self, progress: object, levels: Sequence[int]) -> None:
+    def __init__(self, progress: Progress, levels: Sequence[int]) -> None:
         self.progress = progress
-        self.levels = {lv: progress.add_task(f"c={lv}", total=None) for lv in levels}  # type: ignore[attr-defined]
-        self.window = progress.add_task("", total=None, visible=False)  # type: ignore[attr-defined]
+        self.levels = {lv: progress.add_task(f"c={lv}", total=None) for lv in levels}
+        self.window = progress.add_task("", total=None, visible=False)
 
-    def __call__(self, e: object) -> None:
+    def __call__(self, e: SweepEvent) -> None:
         from tuner.sweep import TABLE_ARM
 
         p = self.progress
-        kind = e.kind  # type: ignore[attr-defined]
-        arm = "table" if e.arm == TABLE_ARM else f"k={e.arm}"  # type: ignore[attr-defined]
-        if kind == "setup":
-            p.console.print(f"note: {e.message}", markup=False)  # type: ignore[attr-defined]
-        elif kind == "status":
-            for st in e.status:  # type: ignore[attr-defined]
+        arm = "table" if e.arm == TABLE_ARM else f"k={e.arm}"
+        where = f"  c={e.level} {arm}"
+        if e.kind == "setup":
+            p.console.print(f"note: {e.message}", markup=False)
+        elif e.kind == "status":
+            for st in e.status:
                 n = len(st.measured) + len(st.skipped) + len(st.pending)
                 best = "" if st.best is None else f" best k={st.best}"
-                done = "" if st.resolved else " …"
-                p.update(self.levels[st.level], total=n,  # type: ignore[attr-defined]
+                p.update(self.levels[st.level], total=n,
                          completed=len(st.measured) + len(st.skipped),
-                         description=f"c={st.level:<4}{best}{done}")
-        elif kind == "trial":
-            p.reset(self.window, total=e.steps, visible=True,  # type: ignore[attr-defined]
-                    description=f"  c={e.level} {arm}: switching")
-        elif kind == "phase":
-            p.update(self.window, description=f"  c={e.level} {arm}: {e.message}")  # type: ignore[attr-defined]
-        elif kind == "step":
-            st = e.stats  # type: ignore[attr-defined]
-            p.update(self.window, completed=min(e.step, e.steps),  # type: ignore[attr-defined]
-                     description=f"  c={e.level} {arm}: {st.tok_s:,.0f} tok/s, "
-                     f"{st.requests} requests")
-        elif kind == "done":
-            m = e.measurement  # type: ignore[attr-defined]
+                         description=f"c={st.level:<4}{best}{'' if st.resolved else ' …'}")
+        elif e.kind == "trial":
+            p.reset(self.window, total=e.steps, visible=True, description=f"{where}: switching")
+        elif e.kind == "phase":
+            p.update(self.window, description=f"{where}: {e.message}")
+        elif e.kind == "step" and e.stats is not None and e.step is not None:
+            p.update(self.window, completed=min(e.step, e.steps or e.step),
+                     description=f"{where}: {e.stats.tok_s:,.0f} tok/s, "
+                     f"{e.stats.requests} requests")
+        elif e.kind == "done" and e.measurement is not None:
+            m = e.measurement
             server = ""
             if m.server is not None:
                 server = (f", server {m.server.goodput:,.0f} tok/s busy at batch "
                           f"{m.server.mean_batch:.1f}")
             errors = f", {m.errors} failed requests" if m.errors else ""
-            p.console.print(  # type: ignore[attr-defined]
+            p.console.print(
                 f"c={m.level:<4} {arm:<6} {m.tok_s:>10,.1f} tok/s ± {m.tok_s_se:,.1f}  TPOT "
                 f"{m.tpot_p50_ms:.1f}/{m.tpot_p99_ms:.1f} ms  {m.window_s:.0f} s, "
-                f"{m.requests} requests ({e.message}){server}{errors}",  # type: ignore[attr-defined]
+                f"{m.requests} requests ({e.message}){server}{errors}",
                 markup=False, highlight=False,
             )
-            p.update(self.window, visible=False)  # type: ignore[attr-defined]
+            p.update(self.window, visible=False)
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
@@ -1086,10 +1089,16 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
     from tuner import sweep as s
     from tuner.config import DEFAULT_SERVER, normalize_server, read_api_key_file
-    from tuner.loadgen import DEFAULT_REQUEST_TIMEOUT_S, LoadConfig, load_prompts, synthetic_prompts
+    from tuner.loadgen import (
+        DEFAULT_REQUEST_TIMEOUT_S,
+        LoadConfig,
+        load_prompts,
+        synthetic_prompts,
+    )
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    logging.getLogger("tuner.sim").setLevel(logging.WARNING)
+    for noisy in ("tuner.sim", "httpx"):  # a line per request would bury the progress
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     if args.simulate and args.server:
         raise ConfigError("--simulate starts its own server; drop --server")
     prompts = load_prompts(args.prompts) if args.prompts else synthetic_prompts(seed=args.seed)

@@ -30,6 +30,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 import httpx
 
@@ -148,13 +149,16 @@ def load_prompts(path: str | Path) -> tuple[str, ...]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from exc
+            raise ConfigError(
+                f"{where}: not valid JSON ({exc.msg} at column {exc.colno})"
+            ) from exc
         if not isinstance(obj, dict):
             raise ConfigError(
                 f'{where}: expected an object like {{"prompt": "..."}}, got {type(obj).__name__}'
             )
         if "prompt" not in obj:
-            raise ConfigError(f'{where}: no "prompt" key (keys: {", ".join(sorted(obj)) or "none"})')
+            keys = ", ".join(sorted(obj)) or "none"
+            raise ConfigError(f'{where}: no "prompt" key (keys: {keys})')
         prompt = obj["prompt"]
         if not isinstance(prompt, str) or not prompt.strip():
             raise ConfigError(f'{where}: "prompt" must be a non-empty string, got {prompt!r:.60}')
@@ -390,7 +394,7 @@ class ClosedLoop:
 
     # -- lifecycle --
 
-    async def __aenter__(self) -> ClosedLoop:
+    async def __aenter__(self) -> Self:
         headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
         cfg = self.config
         self._client = httpx.AsyncClient(
@@ -596,7 +600,9 @@ class ClosedLoop:
         try:
             resp = await self._client.post(path, json=self._body(prompt))
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            raise ServerUnavailableError(self.server, f"cannot connect: {exc or type(exc).__name__}") from exc
+            raise ServerUnavailableError(
+                self.server, f"cannot connect: {exc or type(exc).__name__}"
+            ) from exc
         except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError) as exc:
             raise _Transient(f"POST {path}: {type(exc).__name__}: {exc}") from exc
         if resp.status_code >= 500:
@@ -608,7 +614,9 @@ class ClosedLoop:
                 "--api-key-file)",
             )
         if resp.status_code >= 400:
-            raise ServerError(self.server, f"POST {path}: HTTP {resp.status_code}: {resp.text[:200]}")
+            raise ServerError(
+                self.server, f"POST {path}: HTTP {resp.status_code}: {resp.text[:200]}"
+            )
         return self._tokens(resp)
 
     def _tokens(self, resp: httpx.Response) -> int:

@@ -43,6 +43,7 @@ import optuna
 from optuna.distributions import BaseDistribution, IntDistribution
 from optuna.trial import FrozenTrial, TrialState
 
+from storage import redact_url
 from tuner.errors import (
     ConfigError,
     DynspecError,
@@ -50,7 +51,6 @@ from tuner.errors import (
     StorageError,
     UpdateRejectedError,
 )
-from storage import redact_url
 from tuner.loadgen import ClosedLoop, WindowStats
 from tuner.protocol import CounterRow, Table, format_table, table_to_json, validate_table
 
@@ -170,7 +170,7 @@ class SweepConfig:
     study_name: str = "sweep"
 
     def __post_init__(self) -> None:
-        levels = tuple(sorted(set(int(c) for c in self.levels)))
+        levels = tuple(sorted({int(c) for c in self.levels}))
         if not levels or levels[0] < 1 or levels[-1] > _LEVEL_DIST.high:
             raise ConfigError(
                 f"concurrency levels must be integers in 1..{_LEVEL_DIST.high}, got "
@@ -178,7 +178,7 @@ class SweepConfig:
             )
         object.__setattr__(self, "levels", levels)
         if self.arms is not None:
-            arms = tuple(sorted(set(int(a) for a in self.arms)))
+            arms = tuple(sorted({int(a) for a in self.arms}))
             if not arms or arms[0] < 0 or arms[-1] > _ARM_DIST.high:
                 raise ConfigError(f"arms must be integers in 0..{_ARM_DIST.high}, got {self.arms}")
             object.__setattr__(self, "arms", arms)
@@ -206,7 +206,9 @@ class SweepConfig:
         return self.per_level_s / self.steps
 
 
-def default_study_name(server: str, *, endpoint: str, max_tokens: int, prompts: Sequence[str]) -> str:
+def default_study_name(
+    server: str, *, endpoint: str, max_tokens: int, prompts: Sequence[str]
+) -> str:
     """The study a sweep resumes by default: same server, endpoint, length and prompts."""
     digest = hashlib.sha256("\n".join(prompts).encode()).hexdigest()[:10]
     return f"sweep:{server}:{endpoint}:{max_tokens}:{digest}"
@@ -282,7 +284,9 @@ class ServerWindow:
 
     @classmethod
     def between(
-        cls, before: Mapping[tuple[int, int], CounterRow], after: Mapping[tuple[int, int], CounterRow]
+        cls,
+        before: Mapping[tuple[int, int], CounterRow],
+        after: Mapping[tuple[int, int], CounterRow],
     ) -> ServerWindow | None:
         """Deltas of two counter readings; None if any counter went backwards (a restart)."""
         steps = emitted = accepted = drafted = batch = 0
@@ -790,7 +794,9 @@ def open_study(
         raise StorageError(f"cannot open the sweep database {redact_url(db_url)}: {exc}") from exc
     except Exception as exc:  # SQLAlchemy errors on a bad URL or an unwritable file
         if type(exc).__module__.startswith("sqlalchemy"):
-            raise StorageError(f"cannot open the sweep database {redact_url(db_url)}: {exc}") from exc
+            raise StorageError(
+                f"cannot open the sweep database {redact_url(db_url)}: {exc}"
+            ) from exc
         raise
     stored = study.user_attrs
     for key, value in (attrs or {}).items():
@@ -876,12 +882,16 @@ class PluginArmControl:
         except PluginMissingError:
             info = self.client.server_info()
             arm = _configured_arm(info)
+            what = f"the configured arm (k={arm})"
+            if info.get("speculative_adaptive") and arm > 0:
+                what = (f"SGLang's own adaptive choice (--speculative-adaptive; shown as k={arm}, "
+                        "its startup steps)")
             return ServerSetup(
                 arms=(arm,),
                 pinnable=False,
                 note=(
                     f"{self.client.address}: stock SGLang (no dynspec plugin): measuring only "
-                    f"the configured arm (k={arm}); install the plugin to compare arms"
+                    f"{what}; install the plugin to compare arms"
                 ),
             )
         self._original = states[0].table
@@ -939,7 +949,9 @@ def _configured_arm(info: Mapping[str, Any]) -> int:
     if not algo or str(algo).upper() in ("NONE", "NULL"):
         return 0
     steps = info.get("speculative_num_steps")
-    return int(steps) if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0 else 0
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        return 0
+    return steps
 
 
 # --- measuring ------------------------------------------------------------------------------
@@ -1396,7 +1408,9 @@ def render_text(result: SweepResult, *, header: str | None = None) -> str:
                 mark = "*"
             elif e.pruned:
                 mark = "<"
-            elif best_e is not None and arm >= 0 and e.mean >= best_e.mean * (1 - result.tolerance):
+            elif (
+                best_e is not None and arm >= 0 and e.mean >= best_e.mean * (1 - result.tolerance)
+            ):
                 mark = "~"
             row.append(f"{e.mean:,.1f}{mark}")
         zero = result.cells.get((lv, 0))
