@@ -62,10 +62,13 @@ DEFAULT_GUARD_MIN_STEPS = 50.0
 # ... judged on recent measurements only (this memory, in decode steps of the bucket): an
 # arm measured before the workload changed is no evidence against one measured after.
 DEFAULT_GUARD_MEMORY_STEPS = 2_000.0
-# At most this fraction of a bucket's (discounted) decode steps off its greedy arm, once the
-# first DEFAULT_EXPLORE_ALLOWANCE_STEPS steps of the bucket (free warm-up) are past.
+# At most this fraction of a bucket's (discounted) decode steps off its greedy arm. The first
+# dwell of an arm never run in the bucket is free, and so are the bucket's first
+# DEFAULT_EXPLORE_ALLOWANCE_STEPS steps: none by default, since decode steps come at very
+# different rates (hundreds a second at one request, a few with prefills between them at
+# hundreds), so a free allowance in steps is either too short somewhere or far too long.
 DEFAULT_EXPLORE_BUDGET = 0.1
-DEFAULT_EXPLORE_ALLOWANCE_STEPS = 500
+DEFAULT_EXPLORE_ALLOWANCE_STEPS = 0
 # How far (log goodput) an arm's gap to the best may drift per bucket of distance, when an
 # untried arm borrows its gap from the nearest bucket that ran it.
 DEFAULT_BORROW_SD = 0.15
@@ -349,9 +352,14 @@ class LearningPolicy(BasePolicy):
     def greedy(self) -> Table:
         return self.buckets.table(self.greedy_arms())
 
-    def _budget_allows(self, j: int) -> bool:
+    def _budget_allows(self, j: int, arm: int) -> bool:
         p, st = self.params, self._state[j]
         if st.steps < p.explore_allowance_steps:
+            return True
+        if st.stats[arm].steps == 0:
+            # An arm never run in this bucket gets its first dwell whatever the budget: where
+            # steps are scarce (hundreds of requests, prefill between most decode steps) the
+            # free allowance can pass before every arm was seen once.
             return True
         # Exploring now costs at least one dwell of steps: check it still fits.
         need = p.min_dwell_steps
@@ -373,7 +381,7 @@ class LearningPolicy(BasePolicy):
                 arm = st.live
             else:
                 arm = self._explore(j, g)
-                if arm != g and not self._budget_allows(j):
+                if arm != g and not self._budget_allows(j, arm):
                     arm = g
             if arm != st.live:
                 st.live = arm

@@ -59,6 +59,7 @@ DEFAULT_MODEL_SAMPLE_SCALE = 1.0
 DEFAULT_ORDER_CONFIDENT_SD = 0.03
 # Young buckets measure the arm with the best mean + OPTIMISM sd first.
 DEFAULT_OPTIMISM = 1.0
+DEFAULT_YOUNG_STEPS = 500
 # z-score at which the short acceptance memory overrules the long one (a workload shift).
 DEFAULT_SHIFT_Z = 3.0
 DEFAULT_ORDER_SLACK = 0.02
@@ -82,8 +83,9 @@ class ModelParams(LearnerParams):
         sample_scale: posterior draws are scaled by this.
         order_confident_sd: step-time cells at most this uncertain bound their neighbours.
         order_slack: slack of that bound (log step time).
-        optimism: while a bucket is within its exploration allowance, it runs the arm with
+        optimism: for its first ``young_steps`` decode steps, a bucket runs the arm with
             the best mean + ``optimism`` standard deviations (0 = posterior sampling only).
+        young_steps: see ``optimism``.
         shift_z: z-score at which recent acceptance overrules the long memory (a shift).
     """
 
@@ -96,6 +98,7 @@ class ModelParams(LearnerParams):
     order_confident_sd: float = DEFAULT_ORDER_CONFIDENT_SD
     order_slack: float = DEFAULT_ORDER_SLACK
     optimism: float = DEFAULT_OPTIMISM
+    young_steps: int = DEFAULT_YOUNG_STEPS
     shift_z: float = DEFAULT_SHIFT_Z
 
     def __post_init__(self) -> None:
@@ -114,6 +117,8 @@ class ModelParams(LearnerParams):
         _require(0 <= self.order_slack < math.inf, "order_slack", ">= 0 and finite",
                  self.order_slack)
         _require(0 <= self.optimism < math.inf, "optimism", ">= 0 and finite", self.optimism)
+        _require(isinstance(self.young_steps, int) and self.young_steps >= 0, "young_steps",
+                 "an int >= 0", self.young_steps)
         _require(0 < self.shift_z <= math.inf, "shift_z", "positive (inf = never)",
                  self.shift_z)
 
@@ -490,11 +495,11 @@ class ModelPolicy(LearningPolicy):
                      for st in self._state)
 
     def _explore(self, j: int, greedy: int) -> int:
-        """While the bucket is young (within its free exploration allowance), measure the arm
+        """While the bucket is young (its first ``young_steps``), measure the arm
         whose optimistic value (mean + ``optimism`` sd) is highest: each plausible arm once,
         early, where a measurement is worth most. Afterwards, posterior sampling."""
         p, st = self.params, self._state[j]
-        if st.steps < p.explore_allowance_steps and p.optimism > 0:
+        if st.steps < p.young_steps and p.optimism > 0:
             post = self._posterior()[j]
             values = post[:, 0] + p.optimism * post[:, 1]
             ai = max(range(len(self.arms)), key=lambda i: (values[i], -self.arms[i]))

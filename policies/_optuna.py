@@ -33,9 +33,9 @@ __all__ = [
 
 DEFAULT_STUDY_NAME = "dynspec"
 # Decode steps of a bucket behind one trial: enough that its goodput is a fair measurement.
-DEFAULT_TRIAL_STEPS = 200
+DEFAULT_TRIAL_STEPS = 40
 # Random trials before TPE models the arms (per bucket).
-DEFAULT_N_STARTUP_TRIALS = 6
+DEFAULT_N_STARTUP_TRIALS = 5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,11 +68,12 @@ class OptunaParams(LearnerParams):
 
 
 class _Trial:
-    __slots__ = ("trial", "arm", "w", "s", "wb")
+    __slots__ = ("trial", "arm", "w", "s", "wb", "steps")
 
     def __init__(self, trial: Any, arm: int) -> None:
         self.trial, self.arm = trial, arm
         self.w = self.s = self.wb = 0.0
+        self.steps = 0  # raw decode steps at the arm (the weights discount switch transients)
 
 
 class OptunaPolicy(LearningPolicy):
@@ -123,10 +124,19 @@ class OptunaPolicy(LearningPolicy):
             t.w += weight
             t.s += weight * r
             t.wb += weight * obs.b
+            t.steps += int(obs.decode_steps)
 
     def _explore(self, j: int, greedy: int) -> int:
         t = self._open.get(j)
-        if t is not None and t.w >= self.params.trial_steps:
+        st = self._state[j]
+        # A trial ends after trial_steps at its arm, or earlier once the guardrail has found
+        # its arm measurably worse than the greedy one: its measurement is then told (TPE
+        # learns from it) instead of the trial being retried in slivers forever.
+        condemned = st.last_revert is not None and st.last_revert[0] == getattr(t, "arm", None)
+        if t is not None and t.w > 0 and (
+            t.steps >= self.params.trial_steps
+            or (condemned and t.steps >= self.params.min_dwell_steps)
+        ):
             # Told in tokens/s at the trial's mean batch size, so the dashboard reads naturally.
             value = (t.wb / t.w) * math.exp(t.s / t.w)
             self._study(j).tell(t.trial, value)

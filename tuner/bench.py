@@ -90,9 +90,10 @@ SGLANG_REAL = "sglang-real"
 TARGETS = (
     "default policy >= 98 % of oracle after warm-up in every load phase",
     "default policy >= 95 % of oracle including warm-up in every load phase",
-    "default policy beats threshold and sglang-default wherever they are < 99 % of oracle",
-    "h200: default >= 1.2x threshold and sglang-default at concurrency >= 64, "
-    ">= 1.5x threshold at concurrency 8-64",
+    "default policy beats threshold and sglang-default after warm-up wherever they are "
+    "< 99 % of oracle",
+    "h200: default after warm-up >= 1.2x threshold and sglang-default at concurrency >= 64, "
+    ">= 1.5x threshold at concurrency 8-64 (where the oracle reaches that ratio)",
     "default policy converges (greedy within 2 % of oracle) in <= 60 s of traffic per bucket",
     "full default bench <= 600 s wall on 2 cores",
 )
@@ -242,6 +243,7 @@ class PhaseResult:
     pct_oracle: float  # after warm-up (NaN when no decode time was measured there)
     pct_oracle_all: float  # including warm-up
     goodput: float  # expected tokens per decode-busy second, whole phase
+    goodput_after: float  # ... after warm-up
     oracle_goodput: float
     measured_goodput: float  # realised emitted tokens per busy second
     decode_busy_s: float
@@ -590,6 +592,7 @@ def run_one(
             index=i, start_s=a.start, end_s=a.end, concurrency=a.concurrency,
             pct_oracle=_pct(a.got_w, a.best_w), pct_oracle_all=_pct(a.got, a.best),
             goodput=a.got / a.busy if a.busy else math.nan,
+            goodput_after=a.got_w / a.busy_w if a.busy_w else math.nan,
             oracle_goodput=a.best / a.busy if a.busy else math.nan,
             measured_goodput=a.emitted / a.busy if a.busy else math.nan,
             decode_busy_s=a.busy, explore_tokens_lost=a.explore_lost, switches=a.switches,
@@ -753,12 +756,13 @@ def check_targets(result: BenchResult, *, policy: str = DEFAULT_POLICY) -> list[
             other = runs.get(base)
             if other is None:
                 continue
+            # Steady state against steady state: a learner's warm-up has its own target.
             for a, b in zip(me.phases, other.phases, strict=True):
-                if math.isfinite(b.pct_oracle_all) and b.pct_oracle_all < 99.0:
+                if math.isfinite(b.pct_oracle) and b.pct_oracle < 99.0:
                     compared += 1
-                    if not a.pct_oracle_all >= b.pct_oracle_all:
+                    if not a.pct_oracle >= b.pct_oracle:
                         losses.append(f"{prof}/{wl} phase {a.index} vs {base}: "
-                                      f"{a.pct_oracle_all:.1f} < {b.pct_oracle_all:.1f}")
+                                      f"{a.pct_oracle:.1f} < {b.pct_oracle:.1f}")
     checks.append(TargetCheck(
         TARGETS[2], not losses,
         f"{compared} phase comparisons; " + ("; ".join(losses[:3]) if losses else "no loss"),
@@ -780,11 +784,12 @@ def check_targets(result: BenchResult, *, policy: str = DEFAULT_POLICY) -> list[
                 continue
             for a, b in zip(me.phases, other.phases, strict=True):
                 c = a.concurrency
-                if c is None or c < lo_c or (hi_c is not None and c > hi_c) or b.goodput <= 0:
+                if (c is None or c < lo_c or (hi_c is not None and c > hi_c)
+                        or not b.goodput_after > 0):
                     continue
-                if a.oracle_goodput / b.goodput < need:
+                if a.oracle_goodput / b.goodput_after < need:
                     continue
-                r = a.goodput / b.goodput
+                r = a.goodput_after / b.goodput_after
                 ratios.append(r)
                 if r < need:
                     fails.append(f"{wl} c={c} vs {base}: {r:.2f}x < {need}x")
