@@ -8,6 +8,7 @@ import socket
 
 import optuna
 
+from storage import Storage
 from tuner import policyfile
 from tuner.cli import main
 from tuner.client import SGLangClient
@@ -59,6 +60,13 @@ def test_sweep_against_the_simulator_pins_arms_restores_the_table_and_writes_out
     # The study is in the database for optuna-dashboard.
     study = optuna.load_study(study_name="t", storage=db)
     assert {(t.params["concurrency"], t.params["arm"]) for t in study.trials} >= {(1, 3), (8, 0)}
+    # And every window's counters are in the history the daemon warm-starts from.
+    with Storage(db) as history:
+        rows = history.warm_start(address, arms=before.arms)
+    assert {r.k for r in rows} == {0, 3}
+    assert sum(r.emitted_tokens for r in rows) == sum(
+        c["server"]["emitted_tokens"] for c in doc["cells"]
+    )
 
 
 def test_unreachable_server_exits_1_naming_it(tmp_path, capsys):

@@ -29,6 +29,7 @@ fake server; :class:`Sweep` is the async driver (ask, pin, measure, tell, restor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -283,38 +284,54 @@ class ServerWindow:
         )
 
     @classmethod
-    def between(
-        cls,
-        before: Mapping[tuple[int, int], CounterRow],
-        after: Mapping[tuple[int, int], CounterRow],
-    ) -> ServerWindow | None:
-        """Deltas of two counter readings; None if any counter went backwards (a restart)."""
+    def from_deltas(cls, deltas: Iterable[CounterRow]) -> ServerWindow:
+        """Totals of per-``(b, k)`` deltas (see :func:`counter_deltas`)."""
         steps = emitted = accepted = drafted = batch = 0
         busy = 0.0
         by_arm: dict[int, int] = {}
-        for key, row in after.items():
-            prev = before.get(key)
-            d = [
-                row.decode_steps - (prev.decode_steps if prev else 0),
-                row.emitted_tokens - (prev.emitted_tokens if prev else 0),
-                row.accepted_drafts - (prev.accepted_drafts if prev else 0),
-                row.drafted_tokens - (prev.drafted_tokens if prev else 0),
-            ]
-            dbusy = row.busy_s - (prev.busy_s if prev else 0.0)
-            if min(d) < 0 or dbusy < -1e-9:
-                return None
-            if d[0] == 0:
-                continue
-            steps += d[0]
-            emitted += d[1]
-            accepted += d[2]
-            drafted += d[3]
-            busy += max(dbusy, 0.0)
-            batch += row.b * d[0]
-            by_arm[row.k] = by_arm.get(row.k, 0) + d[0]
-        if any(key not in after for key in before):
-            return None
+        for d in deltas:
+            steps += d.decode_steps
+            emitted += d.emitted_tokens
+            accepted += d.accepted_drafts
+            drafted += d.drafted_tokens
+            busy += d.busy_s
+            batch += d.b * d.decode_steps
+            by_arm[d.k] = by_arm.get(d.k, 0) + d.decode_steps
         return cls(steps, emitted, accepted, drafted, busy, batch, by_arm)
+
+
+@dataclass(frozen=True)
+class CounterSnapshot:
+    """The plugin's cumulative counters, all DP replicas summed, and each replica's start."""
+
+    started_at: tuple[float, ...]
+    rows: dict[tuple[int, int], CounterRow]
+
+
+def counter_deltas(before: CounterSnapshot, after: CounterSnapshot) -> list[CounterRow] | None:
+    """Per-``(b, k)`` counters accrued between two snapshots (rows with steps only); None if
+    the server restarted in between (a new start time, or a counter that went backwards)."""
+    if before.started_at != after.started_at or any(key not in after.rows for key in before.rows):
+        return None
+    out = []
+    for key, row in sorted(after.rows.items()):
+        prev = before.rows.get(key)
+        d = CounterRow(
+            row.b,
+            row.k,
+            row.decode_steps - (prev.decode_steps if prev else 0),
+            row.emitted_tokens - (prev.emitted_tokens if prev else 0),
+            row.accepted_drafts - (prev.accepted_drafts if prev else 0),
+            row.drafted_tokens - (prev.drafted_tokens if prev else 0),
+            max(row.busy_s - (prev.busy_s if prev else 0.0), 0.0),
+        )
+        if min(d.decode_steps, d.emitted_tokens, d.accepted_drafts, d.drafted_tokens) < 0 or (
+            prev is not None and row.busy_s < prev.busy_s - 1e-9
+        ):
+            return None
+        if d.decode_steps:
+            out.append(d)
+    return out
 
 
 @dataclass(frozen=True)
@@ -857,7 +874,7 @@ class ArmControl(Protocol):
 
     def pin(self, table: Table) -> None: ...
 
-    def counters(self) -> dict[tuple[int, int], CounterRow] | None: ...
+    def counters(self) -> CounterSnapshot | None: ...
 
     def restore(self) -> None: ...
 
@@ -914,7 +931,7 @@ class PluginArmControl:
                 )
         self._pinned = True
 
-    def counters(self) -> dict[tuple[int, int], CounterRow] | None:
+    def counters(self) -> CounterSnapshot | None:
         try:
             states = self.client.read_state()
         except PluginMissingError:
@@ -935,7 +952,7 @@ class PluginArmControl:
                         prev.drafted_tokens + row.drafted_tokens,
                         prev.busy_s + row.busy_s,
                     )
-        return out
+        return CounterSnapshot(tuple(st.started_at for st in states), out)
 
     def restore(self) -> None:
         if self._pinned and self._original is not None:
@@ -983,13 +1000,33 @@ class LiveMeasurer:
     """A :class:`Measurer` over a running :class:`~tuner.loadgen.ClosedLoop` and an
     :class:`ArmControl` (called in a worker thread so the load never stalls)."""
 
-    def __init__(self, load: ClosedLoop, control: ArmControl, *, clock: Callable[[], float]):
+    def __init__(
+        self,
+        load: ClosedLoop,
+        control: ArmControl,
+        *,
+        clock: Callable[[], float],
+        history: Any = None,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        """Args:
+            history: a :class:`storage.Storage`; each window's per-``(b, k)`` counter deltas
+                are recorded there as observations (the daemon warm-starts from them and
+                ``report`` shows them). A storage failure is logged, never fatal.
+            wall: wall clock for the observations' timestamps.
+        """
         self.load = load
         self.control = control
         self.clock = clock
+        self.history = history
+        self.wall = wall
+        self._arms: tuple[int, ...] = ()
+        self._history_failed = False
 
     async def setup(self) -> ServerSetup:
-        return await asyncio.to_thread(self.control.setup)
+        setup = await asyncio.to_thread(self.control.setup)
+        self._arms = setup.arms
+        return setup
 
     async def measure(
         self,
@@ -1024,8 +1061,31 @@ class LiveMeasurer:
         after = await asyncio.to_thread(self.control.counters)
         server = None
         if before is not None and after is not None:
-            server = ServerWindow.between(before, after)
+            deltas = counter_deltas(before, after)
+            if deltas is not None:
+                server = ServerWindow.from_deltas(deltas)
+                if self.history is not None and deltas:
+                    await asyncio.to_thread(self._record, deltas, after.started_at)
         return stats, server
+
+    def _record(self, deltas: list[CounterRow], started_at: tuple[float, ...]) -> None:
+        from storage import ObservationRecord, ServerSeen
+
+        address = self.load.server
+        now = self.wall()
+        try:
+            self.history.record_tick(
+                servers=[ServerSeen(address, self._arms, now, min(started_at, default=None))],
+                observations=[
+                    ObservationRecord(address, now, d.b, d.k, d.decode_steps, d.emitted_tokens,
+                                      d.accepted_drafts, d.drafted_tokens, d.busy_s)
+                    for d in deltas
+                ],
+            )
+        except StorageError as exc:
+            if not self._history_failed:
+                log.warning("sweep windows are not recorded in the history: %s", exc)
+            self._history_failed = True
 
     async def restore(self) -> None:
         await asyncio.to_thread(self.control.restore)
@@ -1555,15 +1615,19 @@ async def sweep_server(
     db_url: str,
     api_key: str | None = None,
     on_event: Callable[[SweepEvent], None] | None = None,
+    record: bool = True,
 ) -> SweepResult:
     """Sweep one live server: closed-loop load through ``load_config.endpoint`` plus arm pinning
-    through the plugin (``SGLangClient``), recorded in the Optuna study at ``db_url``.
+    through the plugin (``SGLangClient``), recorded in the Optuna study at ``db_url`` and,
+    with ``record``, each window's counters as observations in the history at the same URL
+    (what ``run`` warm-starts from and ``report`` reads).
 
     Raises:
         ServerError: the server is unreachable, refuses the key or answers nonsense.
         ConfigError: bad arms for this server, or a study measured with other settings.
         StorageError: the database cannot be opened.
     """
+    from storage import Storage
     from tuner.client import SGLangClient
     from tuner.loadgen import LoadConfig
 
@@ -1574,9 +1638,14 @@ async def sweep_server(
         "max_tokens": load_config.max_tokens,
         "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest(),
     }
-    with SGLangClient(server, api_key=api_key) as client:
+    history = Storage(db_url) if record else None
+    with contextlib.ExitStack() as stack:
+        if history is not None:
+            stack.callback(history.close)
+        client = stack.enter_context(SGLangClient(server, api_key=api_key))
         async with ClosedLoop(server, prompts, config=load_config, api_key=api_key) as load:
-            measurer = LiveMeasurer(load, PluginArmControl(client), clock=time.monotonic)
+            measurer = LiveMeasurer(load, PluginArmControl(client), clock=time.monotonic,
+                                    history=history)
             sweep = Sweep(config, measurer=measurer, db_url=db_url, study_attrs=attrs,
                           on_event=on_event)
             return await sweep.run()
