@@ -1,0 +1,54 @@
+"""The model-based policy: what it shares across buckets, and how it follows a shift."""
+
+from __future__ import annotations
+
+from policies import Buckets, Observation, expected_emitted, make_policy
+
+ARMS = (0, 1, 3, 5)
+
+
+def step_s(b: int, k: int) -> float:
+    # Bilinear, as the anchors' cost model: per-request and per-draft-token costs.
+    return (5 + 0.04 * b + k * (0.5 + 0.06 * b)) / 1000
+
+
+def obs(b: int, k: int, alpha: float, steps: int = 200) -> Observation:
+    emitted = round(expected_emitted(alpha, 1.0, k) * b * steps)
+    return Observation(b, k, steps, emitted, emitted - b * steps, k * b * steps,
+                       step_s(b, k) * steps)
+
+
+def best_arm(b: int, alpha: float) -> int:
+    return max(ARMS, key=lambda k: expected_emitted(alpha, 1.0, k) / step_s(b, k))
+
+
+def test_predicts_a_bucket_it_never_ran_from_the_others():
+    p = make_policy("model", arms=ARMS, seed=0)
+    for _ in range(3):
+        for b in (1, 64):
+            for k in ARMS:
+                assert p.update(obs(b, k, 0.8))
+    buckets = Buckets()
+    chosen = p.snapshot().chosen
+    # Measured buckets: the measured best arm.
+    assert chosen[buckets.index(1)] == best_arm(1, 0.8) == 5
+    assert chosen[buckets.index(64)] == best_arm(64, 0.8) == 1
+    # b = 25..32 never ran; acceptance and step time carry over: k = 3 (not a neighbour's).
+    assert chosen[buckets.index(32)] == best_arm(32, 0.8) == 3
+    est = {(e.bucket, e.arm): e for e in p.snapshot().estimates}
+    e = est[(buckets.index(32), 3)]
+    assert e.n == 0 and e.estimate > 0 and e.std > 0
+
+
+def test_acceptance_shift_is_detected_and_followed():
+    p = make_policy("model", arms=ARMS, seed=0)
+    j = Buckets().index(16)
+    for _ in range(5):
+        for k in ARMS:
+            p.update(obs(16, k, 0.8))
+    assert p.snapshot().chosen[j] == best_arm(16, 0.8) == 3
+    # The workload turns hard: the arms that draft keep running, acceptance drops.
+    for i in range(12):
+        p.update(obs(16, (1, 3, 5)[i % 3], 0.5, steps=100))
+    assert p.snapshot().chosen[j] == best_arm(16, 0.5) == 1
+    assert any("acceptance changed" in n for n in p.snapshot().notes)
