@@ -675,18 +675,20 @@ class Storage:
         self,
         pool: str,
         *,
-        after_id: int,
+        after_id: int = 0,
+        ids: Iterable[int] | None = None,
         arms: Iterable[int] | None = None,
         exclude: Iterable[str] = (),
         limit: int = DEFAULT_WARM_START_ROWS,
     ) -> list[tuple[int, ObservationRecord]]:
         """Observations of the servers in ``pool`` but not in ``exclude``, with an id above
-        ``after_id``, in id order and paired with their id: how a daemon follows what its
-        pool-mates record (live pooling across daemons sharing one database).
+        ``after_id`` (and among ``ids`` when given), in id order and paired with their id:
+        how a daemon follows what its pool-mates record (live pooling across daemons sharing
+        one database).
 
         Ids grow with every insert, but a transaction that commits late may hold ids below
-        rows already read; a reader that must miss nothing re-reads a window below its cursor
-        and drops the ids it has seen."""
+        rows already read; a reader that must miss nothing looks at the ids of a window below
+        its cursor (:meth:`pool_observation_ids`, cheap) and fetches those it has not seen."""
         q = (
             self._obs_query(None, None, None, arms)
             .add_columns(ObservationModel.id)
@@ -694,11 +696,33 @@ class Storage:
             .order_by(ObservationModel.id)
             .limit(limit)
         )
+        if ids is not None:
+            wanted = sorted({int(i) for i in ids})
+            if not wanted:
+                return []
+            q = q.where(ObservationModel.id.in_(wanted))
         skip = sorted(set(exclude))
         if skip:
             q = q.where(ServerModel.address.not_in(skip))
         with self._session_scope("reading the pool's observations") as s:
             return [(int(row[-1]), ObservationRecord(*row[:-1])) for row in s.execute(q)]
+
+    def pool_observation_ids(
+        self, pool: str, *, after_id: int = 0, exclude: Iterable[str] = ()
+    ) -> list[int]:
+        """Ids of the observations above ``after_id`` of the servers in ``pool`` but not in
+        ``exclude``, ascending (ids only: cheap)."""
+        q = (
+            select(ObservationModel.id)
+            .join(ServerModel, ObservationModel.server_id == ServerModel.id)
+            .where(ServerModel.pool == pool, ObservationModel.id > after_id)
+            .order_by(ObservationModel.id)
+        )
+        skip = sorted(set(exclude))
+        if skip:
+            q = q.where(ServerModel.address.not_in(skip))
+        with self._session_scope("reading the pool's observation ids") as s:
+            return [int(i) for i in s.scalars(q)]
 
     @staticmethod
     def _version_record(address: str, m: PolicyVersionModel) -> PolicyVersionRecord:

@@ -99,6 +99,55 @@ def test_pool_mates_on_one_database_learn_from_each_other(db_url, caplog):
             d.shutdown()
 
 
+def test_replicas_of_a_pool_under_one_daemon_share_one_policy(tmp_path):
+    clock = FakeClock()
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    with Sim(1) as s1, Sim(2) as s2, Sim(1) as s3, Sim(2) as s4:  # s3, s4: twins, no pool
+        d = daemon([s1.addr, s2.addr], url, clock, pool="p")
+        alone = daemon([s3.addr, s4.addr], f"sqlite:///{tmp_path / 'other.db'}", clock)
+        rounds(6, clock, [s1, s2, s3, s4], [d, alone])
+        assert d.policy_of(s1.addr) is d.policy_of(s2.addr)
+        assert alone.policy_of(s3.addr) is not alone.policy_of(s4.addr)
+        # The shared policy knows both servers' steps; each lone one only its own.
+        both = sum(e.n for e in d.status().servers[0].snapshot.estimates)
+        one = [sum(e.n for e in st.snapshot.estimates) for st in alone.status().servers]
+        assert both == pytest.approx(sum(one), rel=0.2) and both > 1.5 * max(one)
+        assert all(st.pooled == 0 for st in d.status().servers)  # no other daemon in it
+        for x in (d, alone):
+            x.shutdown()
+
+
+def test_a_pool_mates_transaction_committing_late_is_still_read(tmp_path):
+    """Ids are handed out at insert, not at commit: rows below the cursor can appear later."""
+    import sqlite3
+
+    from storage import ObservationRecord, ServerSeen
+
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    mate = "10.0.0.9:30000"
+
+    def row(ts: float) -> ObservationRecord:
+        return ObservationRecord(mate, ts, 4, 1, 50, 400, 200, 200, 0.5)
+
+    clock = FakeClock()
+    with Sim(1) as s1, Storage(url) as other:
+        other.record_tick(servers=[ServerSeen(mate, (0, 1, 3, 5), 1.0, pool="p")])
+        d = daemon([s1.addr], url, clock, pool="p")
+        rounds(2, clock, [s1], [d])
+        other.record_tick(observations=[row(1.0), row(2.0), row(3.0)])
+        with sqlite3.connect(tmp_path / "h.db") as con:
+            (late_id,) = con.execute("SELECT MIN(id) FROM observations WHERE ts = 2.0").fetchone()
+            late = con.execute("SELECT * FROM observations WHERE id = ?", (late_id,)).fetchone()
+            con.execute("DELETE FROM observations WHERE id = ?", (late_id,))  # not committed yet
+        rounds(1, clock, [s1], [d])
+        assert d.status().servers[0].pooled == 2
+        with sqlite3.connect(tmp_path / "h.db") as con:  # ... and now it is
+            con.execute(f"INSERT INTO observations VALUES ({','.join('?' * len(late))})", late)
+        rounds(2, clock, [s1], [d])
+        assert d.status().servers[0].pooled == 3  # read once, not again
+        d.shutdown()
+
+
 def test_one_daemon_many_servers_from_a_file_each_on_its_own(tmp_path):
     clock = FakeClock()
     with Sim(1) as s1, Sim(2) as s2, Sim(3) as s3:

@@ -88,6 +88,11 @@ def test_pool_observations_follow_pool_mates_by_id(db_url):
             if pair[0] > ids[-1]
         ]
         assert st.pool_observations("nobody", after_id=0) == []
+        assert st.pool_observation_ids("p", after_id=start) == sorted(
+            i for i, _ in st.pool_observations("p", after_id=start))
+        picked = st.pool_observations("p", ids=[ids[0], 10**9])
+        assert [i for i, _ in picked] == [ids[0]]
+        assert st.pool_observations("p", ids=[]) == []
         everything = st.pool_observations("p", after_id=0)
         assert len(everything) == 5 and st.last_observation_id() == everything[-1][0]
 

@@ -17,9 +17,10 @@ retried with backoff and reported once per outage; a failing database is retried
 with the rows kept in memory. A table the server refused is not pushed again for a backoff
 period. A version the server reports above anything this daemon sent means another tuner (or
 an operator) is pushing: the daemon then stops pushing to that server and only observes.
-With a ``pool``, each tick also feeds every policy what the pool's other replicas recorded
-(warm start too). On stop, each server gets its greedy table (never an exploration table)
-and the history is flushed.
+With a ``pool``, this daemon's servers with the same arms share one policy (identical
+replicas learn as one, for the price of one), warm-started from the whole pool's history, and
+each tick also feeds it what the pool's servers under other daemons recorded. On stop, each
+server gets its greedy table (never an exploration table) and the history is flushed.
 
 Time and waiting are injected (``clock``, ``wait``) so tests drive ticks with a fake clock.
 """
@@ -186,12 +187,44 @@ class _Server:
     rejected_table: Table | None = None
     rejected_at: float = -math.inf
     pending_rejection: str | None = None  # a refusal to record if the plugin gives no reason
-    pool_inbox: collections.deque = field(default_factory=collections.deque)
-    pool_from_id: int = 0  # pool rows up to this id are in the warm start
-    pooled: int = 0
+    pool_from_id: int = 0  # the pool's rows up to this id are in the warm start
     policy_error: str | None = None
     future: Future | None = None  # the worker reading this server, while it runs
     status: ServerStatus | None = None  # as last published
+
+
+class _PoolPolicy:
+    """One policy shared by this daemon's servers of a pool that have the same arms.
+
+    Identical replicas then learn from each other's observations as they arrive, at the cost
+    of one policy; each server still draws its own proposal. Thread-safe: the workers of
+    several servers use it at once.
+    """
+
+    def __init__(self, policy: BasePolicy, from_id: int) -> None:
+        self.policy = policy
+        self.lock = threading.Lock()
+        self.from_id = from_id  # the pool's rows up to this id are in the warm start
+        self.pooled = 0  # rows of pool-mates under other daemons fed to it
+
+    def update(self, obs: Observation) -> bool:
+        with self.lock:
+            return self.policy.update(obs)
+
+    def propose(self) -> Table:
+        with self.lock:
+            return self.policy.propose()
+
+    def greedy(self) -> Table:
+        with self.lock:
+            return self.policy.greedy()
+
+    def snapshot(self) -> PolicySnapshot:
+        with self.lock:
+            return self.policy.snapshot()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.policy, name)
 
 
 class _Snapshot:
@@ -342,7 +375,10 @@ class Daemon:
             if len(self._servers) > 1
             else None
         )
+        self._pool_policies: dict[tuple[int, ...], _PoolPolicy] = {}  # by arms
+        self._pool_lock = threading.Lock()
         self._pool_cursor: int | None = None  # live pooling: last observation id read
+        self._pool_floor = 0  # ids up to here predate the daemon (warm start covers them)
         self._pool_seen: set[int] = set()
         self._storage_down_since: float | None = None
         self._ticks = 0
@@ -687,8 +723,22 @@ class Daemon:
     # --- learning and deciding --------------------------------------------------------------
 
     def _build_policy(self, srv: _Server, arms: tuple[int, ...]) -> None:
-        """A fresh policy for ``arms``, warm-started from this server's history."""
+        """A fresh policy for ``arms``, warm-started from this server's history (with a pool:
+        the pool's shared policy for these arms, built and warm-started once)."""
         srv.arms = arms
+        if self.config.pool is None:
+            self._new_policy(srv, arms)
+            return
+        with self._pool_lock:  # two replicas read for the first time at once build one
+            shared = self._pool_policies.get(arms)
+            if shared is None:
+                self._new_policy(srv, arms)
+                if srv.policy is not None:
+                    shared = _PoolPolicy(srv.policy, srv.pool_from_id)
+                    self._pool_policies[arms] = shared
+            srv.policy = shared
+
+    def _new_policy(self, srv: _Server, arms: tuple[int, ...]) -> None:
         try:
             policy = self._policy_factory(arms, self.buckets)
         except ValueError as exc:
@@ -730,17 +780,8 @@ class Daemon:
             log.info("%s: warm start from %d stored observations%s (%d decode steps)",
                      srv.address, used, pooled, steps)
         srv.policy = policy
-        srv.pool_inbox.clear()
 
     def _learn(self, srv: _Server, observations: Sequence[Observation], now: float) -> int:
-        allowed = set(srv.arms)
-        while srv.pool_inbox and srv.policy is not None:
-            row_id, r = srv.pool_inbox.popleft()
-            if row_id > srv.pool_from_id and r.k in allowed and srv.policy.update(
-                Observation(r.b, r.k, r.decode_steps, r.emitted_tokens, r.accepted_drafts,
-                            r.drafted_tokens, r.busy_s)
-            ):
-                srv.pooled += 1
         records = []
         used = steps = emitted = 0
         busy = 0.0
@@ -951,25 +992,34 @@ class Daemon:
             return
         try:
             if self._pool_cursor is None:
-                self._pool_cursor = self.storage.last_observation_id()
+                self._pool_cursor = self._pool_floor = self.storage.last_observation_id()
                 return
+            # Ids of the window below the cursor and above it; rows only for the unseen ones
+            # (new rows, and now and then a transaction that committed late).
             lookback = max(0, self._pool_cursor - DEFAULT_POOL_LOOKBACK_IDS)
-            rows = self.storage.pool_observations(pool, after_id=lookback)
+            # Rows of this daemon's own servers reach the shared policy directly.
+            ids = self.storage.pool_observation_ids(
+                pool, after_id=max(lookback, self._pool_floor), exclude=self.config.servers)
+            unseen = [i for i in ids if i not in self._pool_seen]
+            fresh = self.storage.pool_observations(pool, ids=unseen) if unseen else []
         except StorageError as exc:
             log.debug("pool %s: not read this tick: %s", pool, exc)
             return
-        fresh = [(i, r) for i, r in rows if i not in self._pool_seen]
         if not fresh:
             return
         self._pool_seen.update(i for i, _ in fresh)
         self._pool_cursor = max(self._pool_cursor, *(i for i, _ in fresh))
         floor = self._pool_cursor - DEFAULT_POOL_LOOKBACK_IDS
         self._pool_seen = {i for i in self._pool_seen if i > floor}
-        for srv in self._servers:
-            if srv.policy is None:
-                continue
-            # deque.append is atomic: a worker may be draining this inbox right now.
-            srv.pool_inbox.extend((i, r) for i, r in fresh if r.server != srv.address)
+        with self._pool_lock:
+            shared = list(self._pool_policies.items())
+        for arms, policy in shared:
+            allowed = set(arms)
+            obs = [(i, Observation(r.b, r.k, r.decode_steps, r.emitted_tokens,
+                                   r.accepted_drafts, r.drafted_tokens, r.busy_s))
+                   for i, r in fresh if i > policy.from_id and r.k in allowed]
+            with policy.lock:  # a worker of a slow server may hold it: fed as one batch
+                policy.pooled += sum(1 for _, o in obs if policy.policy.update(o))
 
     # --- status -----------------------------------------------------------------------------
 
@@ -1003,7 +1053,7 @@ class Daemon:
                     restarts=srv.restarts,
                     errors=srv.errors,
                     read_only=srv.read_only,
-                    pooled=srv.pooled,
+                    pooled=srv.policy.pooled if isinstance(srv.policy, _PoolPolicy) else 0,
                 )
             )
             srv.status = servers[-1]
@@ -1028,7 +1078,8 @@ class Daemon:
         """The live policy of a server (None until it has been read)."""
         for srv in self._servers:
             if srv.address == address:
-                return srv.policy
+                p = srv.policy
+                return p.policy if isinstance(p, _PoolPolicy) else p
         raise KeyError(address)
 
 
