@@ -893,7 +893,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         for r in rows:
             line = "  ".join(c.rjust(w) if i else c.ljust(w)
-                             for i, (c, w) in enumerate(zip(r, widths)))
+                             for i, (c, w) in enumerate(zip(r, widths, strict=True)))
             console.print(line.rstrip(), markup=False, soft_wrap=True)
 
     scenarios: dict[tuple[str, str], list] = {}
