@@ -131,3 +131,22 @@ def test_rows_accumulate_and_read_out_in_protocol_shape():
     assert state.counters == (CounterRow(8, 3, 9, 180, 108, 216, pytest.approx(0.09)),)
     assert state.started_at == 1000.0 and state.arms == ARMS
     assert core.state(hooks_live=False, reason="hook failed").to_json()["reason"] == "hook failed"
+
+
+def test_a_prefill_launch_times_the_decode_step_before_it():
+    t = Telemetry()
+    t.record(4, 3, 10, 6, launch_ts=1.0, forward_iter=1)
+    t.close(launch_ts=1.02, forward_iter=2)  # a prefill launched right after
+    t.record(5, 3, 12, 7, launch_ts=1.05, forward_iter=3)
+    (row,) = t.rows()
+    assert (row.b, row.k, row.decode_steps, row.emitted_tokens) == (4, 3, 1, 10)
+    assert row.busy_s == pytest.approx(0.02)
+    assert t.untimed_steps == 0
+
+
+def test_a_forward_after_an_idle_pass_leaves_the_step_untimed():
+    t = Telemetry()
+    t.record(4, 3, 10, 6, launch_ts=1.0, forward_iter=1)
+    t.close(launch_ts=1.5, forward_iter=2, after_idle_gap=True)
+    assert t.rows() == ()
+    assert t.untimed_steps == 1

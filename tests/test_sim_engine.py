@@ -157,9 +157,9 @@ class _SpyCore(PluginCore):
         self.events.append(("launch", k))
         return k
 
-    def record_decode(self, b, k, emitted, accepted, launch_ts, forward_iter):
+    def record_decode(self, b, k, emitted, accepted, launch_ts, forward_iter, idle=False):
         self.events.append(("record", k, forward_iter))
-        super().record_decode(b, k, emitted, accepted, launch_ts, forward_iter)
+        super().record_decode(b, k, emitted, accepted, launch_ts, forward_iter, idle)
 
 
 def test_telemetry_records_step_n_after_launching_n_plus_1_with_its_launch_arm():

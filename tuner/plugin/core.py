@@ -30,11 +30,13 @@ MAX_STEP_GAP_S = 2.0
 class Telemetry:
     """Cumulative counters keyed by ``(b, k)``, as protocol v1 defines them.
 
-    A decode step's busy time is the launch-to-launch gap to the next *contiguous* decode
-    launch (no other forward in between, gap <= ``MAX_STEP_GAP_S``). A step is therefore
-    committed to its row one step late, when that gap is known; a step whose successor is not
-    contiguous has no measurable duration and is counted in ``untimed_steps`` instead, so
-    every row's ``emitted / busy_s`` is an unbiased goodput.
+    A decode step's busy time is the launch-to-launch gap to the next *contiguous* forward
+    launch (the very next ``forward_iter``, no idle pass between, gap <= ``MAX_STEP_GAP_S``).
+    The next forward may be another decode step or a prefill (``close``): under heavy load a
+    prefill follows most decode steps, and timing only decode->decode pairs would leave most
+    high-batch steps unmeasured. A step is committed to its row one step late, when that gap
+    is known; a step whose successor is not contiguous has no measurable duration and is
+    counted in ``untimed_steps`` instead, so every row's ``emitted / busy_s`` is unbiased.
     """
 
     __slots__ = ("_rows", "_pending", "untimed_steps")
@@ -68,8 +70,19 @@ class Telemetry:
                 (SGLang's ``batch.after_idle_gap``; an idle pass keeps ``forward_iter``
                 contiguous, so the counter alone cannot tell).
         """
+        if self._pending is not None:
+            self.close(launch_ts, forward_iter, after_idle_gap)
+        self._pending = (b, k, emitted, accepted, launch_ts, forward_iter)
+
+    def close(self, launch_ts: float, forward_iter: int, after_idle_gap: bool = False) -> None:
+        """A forward launched at ``launch_ts``: commit the pending decode step, timed if contiguous.
+
+        ``record`` calls this for the next decode step; the plugin's prefill-result hook and the
+        simulator call it for any other forward.
+        """
         prev = self._pending
         if prev is not None:
+            self._pending = None
             pb, pk, pe, pa, pts, pit = prev
             gap = launch_ts - pts
             if not after_idle_gap and forward_iter == pit + 1 and 0.0 <= gap <= MAX_STEP_GAP_S:
@@ -84,7 +97,6 @@ class Telemetry:
                     row[4] += gap
             else:
                 self.untimed_steps += 1
-        self._pending = (b, k, emitted, accepted, launch_ts, forward_iter)
 
     def rows(self) -> tuple[CounterRow, ...]:
         return tuple(
@@ -147,6 +159,12 @@ class PluginCore:
         after_idle_gap: bool = False,
     ) -> None:
         self.telemetry.record(b, k, emitted, accepted, launch_ts, forward_iter, after_idle_gap)
+
+    def record_forward(
+        self, launch_ts: float, forward_iter: int, after_idle_gap: bool = False
+    ) -> None:
+        """A non-decode forward (prefill, mixed) launched: it ends the pending decode step."""
+        self.telemetry.close(launch_ts, forward_iter, after_idle_gap)
 
     # --- control path -----------------------------------------------------------------------
 

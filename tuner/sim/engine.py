@@ -289,6 +289,7 @@ class Engine:
         self.now = 0.0
         self.counters = EngineCounters()
         self._forward_iter = 0
+        self._idled = False
         self._next_rid = 0
         self._waiting: deque[Request] = deque()
         # Running requests: a Python list aligned with fixed-capacity numpy columns.
@@ -298,7 +299,7 @@ class Engine:
         self._surv = np.zeros((cap_n, self._kmax), dtype=np.float64)  # P(A >= i) per request
         self._cold = np.zeros((cap_n, self._kmax), dtype=np.float64)  # same, stale draft state
         self._stale = np.zeros(cap_n, dtype=bool)
-        self._pending: tuple[int, int, int, int, float, int] | None = None
+        self._pending: tuple[int, int, int, int, float, int, bool] | None = None
         self._last_decode: tuple[int, float, int, int] | None = None  # (b, launch, iter, gen)
         self._log: dict[str, list[float]] = {
             "finished_at": [],
@@ -436,6 +437,9 @@ class Engine:
                 self._decode()
             else:
                 self._flush()
+                # SGLang marks the next launch after an idle pass (batch.after_idle_gap): the
+                # pending step's launch-to-launch gap would include the idle time.
+                self._idled = True
                 # Idle until the next arrival (or t).
                 self.now = max(self.now, min(self._load_next, t))
 
@@ -460,8 +464,12 @@ class Engine:
             admit.append(r)
             tokens += r.prompt_tokens
         launch = self.now
-        self._forward_iter += 1
+        fi = self._forward_iter
+        self._forward_iter = fi + 1
         self._flush()
+        # The prefill's launch ends the last decode step (its duration is known now).
+        self.core.record_forward(launch, fi, self._idled)
+        self._idled = False
         self.now = launch + self.profile.prefill_s(tokens, len(admit))
         c = self.counters
         c.prefill_steps += 1
@@ -528,7 +536,8 @@ class Engine:
                     self._surv[:n][fresh] = self._cold[:n][fresh]
                     stale[:] = True
         self.now = launch + dt
-        self._pending = (n, k, emitted, accepted, launch, fi)
+        self._pending = (n, k, emitted, accepted, launch, fi, self._idled)
+        self._idled = False
         self._last_decode = (n, launch, fi, emitted)
         c.decode_steps += 1
         c.decode_tokens += emitted
