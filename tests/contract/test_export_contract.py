@@ -1,6 +1,8 @@
 """The exported ``sglang-adaptive`` file through SGLang 0.5.23's own config loader and router.
 
-Runs in the contract environment (real sglang installed); elsewhere it is skipped.
+Stock SGLang reads this file without our plugin, so the class under test is SGLang's own
+``AdaptiveSpeculativeParams`` (``stock_adaptive_params``), even in a session where
+``load_plugins()`` has replaced it.
 """
 
 from __future__ import annotations
@@ -8,15 +10,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from _contract_env import need, stock_adaptive_params
 
-from storage import PolicyVersionRecord, ServerSeen, Storage
-from tuner.export import export
-from tuner.protocol import lookup
-from tuner.sim.graphs import cuda_graph_bs
+need()
+
+from sglang.srt.speculative import adaptive_spec_params as adaptive  # noqa: E402
+
+from storage import PolicyVersionRecord, ServerSeen, Storage  # noqa: E402
+from tuner.export import export  # noqa: E402
+from tuner.protocol import lookup  # noqa: E402
+from tuner.sim.graphs import cuda_graph_bs  # noqa: E402
 
 pytestmark = pytest.mark.contract
-
-adaptive = pytest.importorskip("sglang.srt.speculative.adaptive_spec_params")
 
 SERVER = "10.0.0.9:30000"
 TABLE = ((2, 5), (16, 3), (48, 1), (None, 0))
@@ -45,7 +50,7 @@ def test_sglang_loads_the_file_and_builds_exactly_the_table_arms(exported: Path)
 
 
 def test_sglang_routes_every_batch_size_to_the_table_arm(exported: Path) -> None:
-    params = adaptive.AdaptiveSpeculativeParams(initial_steps=3, cfg_path=str(exported))
+    params = stock_adaptive_params()(initial_steps=3, cfg_path=str(exported))
     graphs = list(cuda_graph_bs(256))
     params.set_cuda_graph_bs(graphs)
     assert params.candidate_steps == [0, 1, 3, 5]
@@ -57,7 +62,7 @@ def test_sglang_routes_every_batch_size_to_the_table_arm(exported: Path) -> None
 
 
 def test_sglang_ema_cannot_override_a_single_candidate(exported: Path) -> None:
-    params = adaptive.AdaptiveSpeculativeParams(initial_steps=3, cfg_path=str(exported))
+    params = stock_adaptive_params()(initial_steps=3, cfg_path=str(exported))
     params.set_cuda_graph_bs(list(cuda_graph_bs(256)))
     for b, accepted in ((1, 5), (1, 0), (8, 3), (8, 0), (32, 1), (32, 0), (100, 0)):
         for _ in range(200):  # far beyond warmup_batches and update_interval
