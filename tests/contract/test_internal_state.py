@@ -165,6 +165,7 @@ def test_readout_has_the_dynspec_section(server):
     assert (row.b, row.k, row.decode_steps, row.emitted_tokens, row.drafted_tokens) == (
         2, 5, 1, 8, 10
     )
+    assert row.busy_s == 0.02  # to the microsecond, not 0.019999999999999574
 
 
 def test_a_failing_hook_answers_false_and_never_raises(server, monkeypatch):

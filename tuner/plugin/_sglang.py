@@ -441,6 +441,10 @@ def readout(scheduler: Any, state: Mapping[str, Any] | None = None) -> dict[str,
         missing = _missing_hooks()
         reason = f"hooks not in place: {', '.join(missing)}" if missing else None
         out = core.readout(hooks_live=not missing, reason=reason)
+        # busy_s to the microsecond (SGLang's own step-time resolution): a float sum's full
+        # repr is ~18 characters, on each of up to ~1500 rows (256 batch sizes x 6 arms).
+        for row in out["counters"]:
+            row[6] = round(row[6], 6)
     else:
         steps = (state or {}).get("speculative_num_steps")
         k = steps if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0 else 0
