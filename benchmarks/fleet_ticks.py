@@ -92,6 +92,7 @@ def run_daemon(addrs: list[str], url: str | None, seconds: float,
     config = TunerConfig(servers=tuple(addrs), db_url=url or "sqlite:///unused.db",
                          interval_s=1.0, decision_period_s=2.0, pool=pool)
     storage = Storage(url) if url else None
+    before = storage.count_observations() if storage is not None else 0
     d = Daemon(config, storage=storage)
     try:
         d.run_once()  # first readings (baselines) and warm starts, outside the window
@@ -99,7 +100,7 @@ def run_daemon(addrs: list[str], url: str | None, seconds: float,
     finally:
         d.shutdown()
         if storage is not None:
-            rows = storage.count_observations()
+            rows = storage.count_observations() - before
             storage.close()
             print(f"  ({rows} observations stored)", file=sys.stderr)
 

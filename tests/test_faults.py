@@ -474,6 +474,31 @@ def test_7_database_unwritable_learning_goes_on_nothing_lost(request, tmp_path, 
     assert "storage_recovered" in [e.kind for e in d.storage.events()]
 
 
+def test_7_postgres_connections_killed_mid_run_lose_nothing(postgres_url, caplog):
+    """PostgreSQL restarted or failed over: every connection of the daemon dies at once."""
+    from sqlalchemy import create_engine, text
+
+    clock = FakeClock()
+    admin = create_engine(postgres_url)
+    url = f"{postgres_url}&application_name=dynspec_fault7"
+    try:
+        with Sim() as sim:
+            d = make_daemon([sim.addr], None, clock, db=url)
+            d.run_once()
+            run_ticks(d, clock, 3, sim)
+            with admin.begin() as c:
+                killed = c.execute(text(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE application_name = 'dynspec_fault7'")).scalar()
+            assert killed >= 1
+            run_ticks(d, clock, 3, sim)
+            assert d.status().storage_ok
+            d.shutdown()
+            assert stored_steps(d.storage, sim.addr) == sim.expected_steps() > 0
+    finally:
+        admin.dispose()
+
+
 # --- 9. SIGKILL mid-write ---------------------------------------------------------------------
 
 
@@ -568,6 +593,10 @@ def test_10_bad_files_exit_2_naming_file_and_field_and_apply_nothing(tmp_path, c
     servers = tmp_path / "servers.txt"
     empty_key = tmp_path / "key"
     empty_key.write_text("\n")
+    policy = tmp_path / "policy.json"
+    policy.write_text(json.dumps({"format": "dynspec-policy", "format_version": 1, "protocol": 1,
+                                  "arms": [0, 1, 3, 5], "policy_version": 3,
+                                  "table": [[8, 7], [None, 1]]}))
     profile = tmp_path / "gpu.json"
     good = json.loads((Path(__file__).parents[1] / "tuner/sim/profiles/seed-kimi-pcie.json")
                       .read_text())
@@ -582,6 +611,7 @@ def test_10_bad_files_exit_2_naming_file_and_field_and_apply_nothing(tmp_path, c
             (["run", "--simulate", "--profile", str(profile)], [str(profile), "expert_frac"]),
             (["sim", "--profile", str(profile)], [str(profile), "expert_frac"]),
             (["sim", "--fault", "teapot"], ["--fault", "teapot", "fault kind"]),
+            (["sim", "--policy-file", str(policy)], [str(policy), "row 0", "k=7"]),
         ]
         for argv, needles in cases:
             rc, err = _cli(capsys, *argv, *(["--db", f"sqlite:///{db}"] if "run" in argv else []))

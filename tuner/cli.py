@@ -386,10 +386,17 @@ def _add_sim(sub: argparse._SubParsersAction) -> None:
             "503:/server_info:5. More at runtime: POST /_sim/faults"
         ),
     )
+    p.add_argument(
+        "--policy-file",
+        metavar="F",
+        help="start from an exported policy (export --format dynspec), as the plugin does with "
+        "DYNSPEC_POLICY_FILE (default: that variable)",
+    )
     p.set_defaults(func=_cmd_sim)
 
 
 def _cmd_sim(args: argparse.Namespace) -> int:
+    import os
     import signal
     import threading
 
@@ -403,6 +410,15 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         faults = [Fault.parse(spec) for spec in args.fault]
     except ValueError as exc:
         raise ConfigError(f"--fault: {exc}") from exc
+    policy = None
+    policy_path = args.policy_file or os.environ.get("DYNSPEC_POLICY_FILE") or None
+    if policy_path:
+        from tuner import policyfile
+
+        try:  # the file names itself and the field in its errors
+            policy = policyfile.load(policy_path)
+        except policyfile.PolicyFileError as exc:
+            raise ConfigError(f"policy file {exc}") from exc
     if not args.speed > 0:
         raise ConfigError(f"--speed must be > 0, got {args.speed}")
     if args.max_running is not None and args.max_running < 1:
@@ -427,6 +443,11 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         )
         for fault in faults:
             server.faults.add(fault)
+        if policy is not None:
+            try:
+                server.core.install(policy.table, policy.policy_version)
+            except ValueError as exc:  # ProtocolError: an arm this server did not build
+                raise ConfigError(f"policy file {policy_path}: {exc}") from exc
         server.start()
     except OSError as exc:
         raise ConfigError(f"cannot listen on {args.host}:{args.port}: {exc}") from exc

@@ -726,6 +726,13 @@ class Daemon:
         """A fresh policy for ``arms``, warm-started from this server's history (with a pool:
         the pool's shared policy for these arms, built and warm-started once)."""
         srv.arms = arms
+        if self.storage is not None:
+            try:  # new tables are numbered above every version recorded for this server
+                latest = self.storage.latest_policy_version(srv.address)
+                if latest is not None:
+                    srv.version = max(srv.version, latest.version)
+            except StorageError as exc:
+                log.warning("%s: the history is unavailable: %s", srv.address, exc)
         if self.config.pool is None:
             self._new_policy(srv, arms)
             return
@@ -757,9 +764,6 @@ class Daemon:
                 if self.config.pool is not None:
                     srv.pool_from_id = self.storage.last_observation_id()
                 rows = self.storage.warm_start(srv.address, arms=arms, pool=self.config.pool)
-                latest = self.storage.latest_policy_version(srv.address)
-                if latest is not None:
-                    srv.version = max(srv.version, latest.version)
             except StorageError as exc:
                 log.warning("%s: no warm start, the history is unavailable: %s",
                             srv.address, exc)
@@ -973,8 +977,10 @@ class Daemon:
                 policy_versions=snap.versions,
                 events=snap.events if recovered is None else [*snap.events, recovered],
             )
-        except StorageError as exc:
+        except Exception as exc:  # StorageError, or a bug: the rows stay, the loop goes on
             buf.give_back(snap)
+            if not isinstance(exc, StorageError):
+                log.exception("history: unexpected error while writing")
             if self._storage_down_since is None:
                 self._storage_down_since = now
                 log.warning("history unavailable: %s; learning goes on in memory and the "
