@@ -1032,11 +1032,11 @@ class Daemon:
     def _publish(self, now: float) -> None:
         servers = []
         for srv in self._servers:
-            if srv.future is not None and srv.status is not None:
-                # Its worker is still out (a slow server): show the last consistent picture.
-                servers.append(srv.status)
+            busy = srv.future is not None  # its worker is still out (a slow server)
+            if busy and srv.status is not None:
+                servers.append(srv.status)  # the last consistent picture
                 continue
-            snap = srv.policy.snapshot() if srv.policy is not None else None
+            snap = srv.policy.snapshot() if srv.policy is not None and not busy else None
             if snap is not None and self.metrics is not None:
                 self.metrics.set_snapshot(srv.address, snap)
             servers.append(
