@@ -695,3 +695,34 @@ def test_database_password_is_redacted_in_logs_and_output(postgres_url, caplog, 
     assert rc == 0, err
     assert secret not in caplog.text + out + err
     assert "***" in caplog.text
+
+
+# --- the fault switchboard itself -------------------------------------------------------------
+
+
+def test_fault_specs_and_the_admin_endpoint():
+    assert Fault.parse("503:/server_info:5") == Fault(kind="status", status=503,
+                                                      paths=("/server_info",), count=5)
+    assert Fault.parse("stall2.5:/a,/b") == Fault(kind="stall", stall_s=2.5, paths=("/a", "/b"))
+    assert Fault.parse("protocol3") == Fault(kind="protocol", version=3)
+    assert Fault.parse("reject").applies_to("/set_internal_state")
+    assert not Fault.parse("reject").applies_to("/server_info")
+    for bad, why in [("teapot", "fault kind"), ("99", "400..599"), ("stallx", "not a number"),
+                     ("refuse:server_info", "start with '/'"), ("refuse:/a:0", "count")]:
+        with pytest.raises(ValueError, match=why):
+            Fault.parse(bad)
+    with SimServer(load="none") as sim, httpx.Client(base_url=sim.url, timeout=5) as c:
+        r = c.post("/_sim/faults", json={"kind": "status", "status": 500, "count": 2,
+                                         "paths": ["/health"]})
+        assert r.status_code == 200 and r.json()["id"] == 1
+        assert c.post("/_sim/faults", json="refuse:/metrics").json()["kind"] == "refuse"
+        assert c.post("/_sim/faults", json={"kind": "nope"}).status_code == 422
+        assert [c.get("/health").status_code for _ in range(3)] == [500, 500, 200]
+        listed = c.get("/_sim/faults").json()
+        assert [f["kind"] for f in listed["faults"]] == ["refuse"]  # the 500s were used up
+        assert listed["hits"] == {"status": 2}
+        assert c.delete("/_sim/faults").json() == {"cleared": True}
+        assert c.get("/metrics").status_code == 200
+        before = c.get("/server_info").json()["internal_states"][0]["dynspec"]["started_at"]
+        assert c.post("/_sim/restart").json()["started_at"] > before
+        assert c.get("/_sim/restart").status_code == 405
