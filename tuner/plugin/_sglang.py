@@ -259,7 +259,12 @@ def set_internal_state_hook(original: Callable[..., Any], self: Any, recv_req: A
     out = None
     if rest:
         # SGLang validates and applies its own keys all-or-nothing; ours wait for its verdict.
-        out = original(self, _with_server_args(recv_req, rest), *args, **kwargs)
+        try:
+            theirs = _with_server_args(recv_req, rest)
+        except Exception as exc:
+            _note_hook_error("update", exc)
+            return _updated(False)
+        out = original(self, theirs, *args, **kwargs)
         if not getattr(out, "updated", False):
             try:
                 core.reject(f"SGLang refused the other keys of this update ({', '.join(rest)})")
