@@ -14,7 +14,7 @@ from storage import Storage
 from tuner import policyfile
 from tuner.errors import ConfigError
 from tuner.export import export, load_sglang_adaptive
-from tuner.plugin.core import PluginCore
+from tuner.plugin import _sglang
 from tuner.protocol import lookup
 
 
@@ -41,11 +41,14 @@ def test_policy_file_round_trips_into_the_plugin(history: str, tmp_path: Path) -
     for e in prov.estimates:
         assert e.goodput == pytest.approx(rep[(e.bucket, e.arm)].goodput)
         assert e.n == rep[(e.bucket, e.arm)].decode_steps
-    # A server started with the file decides by the learned table from its first step.
-    core = PluginCore(ARMS, started_at=0.0)
-    core.install(pf.table_for(core.arms), pf.policy_version)
-    assert core.version == 14
+    # A server started with the file (the plugin's own start-up path, DYNSPEC_POLICY_FILE)
+    # decides by the learned table from its first step.
+    core = _sglang._new_core(list(ARMS), 3, {_sglang.POLICY_FILE_ENV: str(out)})
+    assert core.version == 14 and core.updates_rejected == 0
     assert all(core.steps_for_batch(b) == lookup(FINAL_TABLE, b) for b in range(1, 300))
+    # A server built with fewer arms refuses it whole and keeps its default table.
+    small = _sglang._new_core([0, 3], 3, {_sglang.POLICY_FILE_ENV: str(out)})
+    assert small.version == 0 and small.table == ((None, 3),) and small.updates_rejected == 1
 
 
 def test_data_source_policy_file(history: str, tmp_path: Path) -> None:
