@@ -35,6 +35,7 @@ EVENT_KINDS = (
     "arms_changed",
     "storage_outage",
     "storage_recovered",
+    "foreign_push",
 )
 _MAX_KIND_LEN = 32
 
