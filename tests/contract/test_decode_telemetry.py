@@ -21,6 +21,7 @@ from sglang.srt.managers.scheduler_components.batch_result_processor import (  #
     SchedulerBatchResultProcessor,
 )
 from sglang.srt.managers.utils import GenerationBatchResult  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 from sglang.srt.runtime_context import get_parallel  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.srt.speculative import adaptive_spec_params as asp  # noqa: E402
@@ -50,7 +51,7 @@ class Server:
             token_to_kv_pool_allocator=SimpleNamespace(
                 free_group_begin=lambda: None, free_group_end=lambda: None
             ),
-            tree_cache=None,
+            tree_cache=SimpleNamespace(checkpoint=lambda req, up_to=None: None),
             hisparse_coordinator=None,
             req_to_token_pool=None,
             decode_offload_manager=None,
@@ -66,7 +67,7 @@ class Server:
             model_worker=self.worker,
             logprob_result_processor=None,
             output_streamer=SimpleNamespace(
-                stream_output=lambda reqs, _lp: self.streamed.append([r.rid for r in reqs])
+                stream_output=lambda reqs, _lp, *_: self.streamed.append([r.rid for r in reqs])
             ),
             beam_coordinator=None,
             abort_request=lambda *a, **kw: None,
@@ -90,6 +91,19 @@ class Server:
         )
         self.processor.process_batch_result_decode(batch, result)
         return reqs
+
+    def prefill(self, *, it: int, ts: float, after_idle_gap: bool = False) -> Req:
+        """One prefill result (a new request's first token) through SGLang's processing."""
+        sampling = SamplingParams(max_new_tokens=1000)
+        sampling.normalize(None)
+        req = Req(f"prefill-{it}", "", [1, 2, 3], sampling)
+        batch = ScheduleBatch(reqs=[req], spec_algorithm=SpeculativeAlgorithm.EAGLE3,
+                              forward_mode=ForwardMode.EXTEND)
+        batch.forward_iter, batch.launch_ts, batch.after_idle_gap = it, ts, after_idle_gap
+        self.processor.process_batch_result_prefill(
+            batch, GenerationBatchResult(next_token_ids=torch.tensor([7]))
+        )
+        return req
 
     def rows(self) -> list[CounterRow]:
         return list(self.policy.dynspec.telemetry.rows())
@@ -124,6 +138,19 @@ def test_counts_at_k_zero_with_all_zero_accept_lists(server):
     assert (row.b, row.k, row.decode_steps) == (4, 0, 3)
     assert (row.emitted_tokens, row.accepted_drafts, row.drafted_tokens) == (12, 0, 0)
     assert row.busy_s == pytest.approx(0.03)
+
+
+def test_a_prefill_launch_times_the_decode_step_before_it(server):
+    # Under load a prefill follows most decode steps; its launch ends the step before it.
+    server.step(k=3, accept_lens=[2, 3], it=1, ts=5.0)
+    req = server.prefill(it=2, ts=5.03)
+    server.step(k=3, accept_lens=[1, 1], it=3, ts=5.05)
+    server.prefill(it=5, ts=5.2)  # not the next forward: that step stays untimed
+    assert list(req.output_ids) == [7]  # SGLang's own prefill processing ran
+    [row] = server.rows()
+    assert (row.b, row.k, row.decode_steps, row.emitted_tokens) == (2, 3, 1, 5)
+    assert row.busy_s == pytest.approx(0.03)
+    assert server.policy.dynspec.telemetry.untimed_steps == 1
 
 
 def test_k_comes_from_the_result_not_the_worker(server):

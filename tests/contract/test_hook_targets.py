@@ -73,6 +73,7 @@ def test_scheduler_hook_targets():
 
     proc = SchedulerBatchResultProcessor
     assert params(original(proc.process_batch_result_decode)) == ["self", "batch", "result"]
+    assert params(original(proc.process_batch_result_prefill)) == ["self", "batch", "result"]
     fields = {f.name for f in dataclasses.fields(proc)}
     assert {"draft_worker", "model_worker"} <= fields
     result_fields = {f.name for f in dataclasses.fields(GenerationBatchResult)}

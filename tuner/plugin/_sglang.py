@@ -12,7 +12,9 @@ SGLang calls :func:`register` in every process it starts (entry point group
   keys are validated and applied atomically; other keys go to SGLang untouched.
 - **readout** (AFTER ``...get_internal_state``): adds the protocol v1 ``"dynspec"`` section.
 - **telemetry** (AFTER ``SchedulerBatchResultProcessor.process_batch_result_decode``):
-  feeds the core's per-``(b, k)`` counters on TP rank 0.
+  feeds the core's per-``(b, k)`` counters on TP rank 0; an AFTER hook on
+  ``process_batch_result_prefill`` tells the core that a prefill (or mixed) forward launched,
+  which ends, and so times, the decode step before it.
 
 Nothing here imports SGLang at module level, and no hook lets an exception reach SGLang:
 a server with a broken hook runs as stock SGLang and its readout says why.
@@ -50,6 +52,7 @@ __all__ = [
     "TARGET_DECODE",
     "TARGET_GET_STATE",
     "TARGET_POLICY",
+    "TARGET_PREFILL",
     "TARGET_SET_STATE",
     "build_policy_class",
     "core_of_worker",
@@ -71,7 +74,8 @@ TARGET_POLICY = f"{_ADAPTIVE_MOD}.AdaptiveSpeculativeParams"
 TARGET_SET_STATE = f"{_STATE_MOD}.{_STATE_CLS}.set_internal_state"
 TARGET_GET_STATE = f"{_STATE_MOD}.{_STATE_CLS}.get_internal_state"
 TARGET_DECODE = f"{_RESULT_MOD}.{_RESULT_CLS}.process_batch_result_decode"
-HOOK_TARGETS = (TARGET_POLICY, TARGET_SET_STATE, TARGET_GET_STATE, TARGET_DECODE)
+TARGET_PREFILL = f"{_RESULT_MOD}.{_RESULT_CLS}.process_batch_result_prefill"
+HOOK_TARGETS = (TARGET_POLICY, TARGET_SET_STATE, TARGET_GET_STATE, TARGET_DECODE, TARGET_PREFILL)
 
 # SGLang's idle-server health check sends one-token generates with these rids; they are not
 # workload and SGLang's own step accounting skips them too.
@@ -190,6 +194,7 @@ def build_policy_class(base: type) -> type:
             super().__init__(initial_steps, cfg_path)
             self.dynspec: PluginCore | None = None
             self._dynspec_record: Callable[..., None] | None = None
+            self._dynspec_forward: Callable[..., None] | None = None
             try:
                 arms = [int(s) for s in self.candidate_steps]
                 core = _new_core(arms, int(initial_steps), os.environ)
@@ -201,7 +206,9 @@ def build_policy_class(base: type) -> type:
                         len(self._slots),
                     )
                 self._dynspec_default = core.steps_for_batch(1)
-                self._dynspec_record = core.record_decode if _is_tp_rank0() else None
+                if _is_tp_rank0():
+                    self._dynspec_record = core.record_decode
+                    self._dynspec_forward = core.record_forward
                 self.dynspec = core
                 logger.info(
                     "dynspec: deciding speculative steps per batch; arms %s, table %s",
@@ -361,6 +368,24 @@ def decode_result_hook(result_: Any, self: Any, batch: Any, result: Any, *args: 
     return None
 
 
+def prefill_result_hook(result_: Any, self: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER ``SchedulerBatchResultProcessor.process_batch_result_prefill``: a non-decode
+    forward launched. Results are processed in launch order, so it closes the pending decode
+    step (timed if it launched right after it)."""
+    try:
+        params = getattr(getattr(self.draft_worker, "adaptive_controller", None), "params", None)
+        close = getattr(params, "_dynspec_forward", None)
+        if close is None:
+            return None
+        launch_ts, forward_iter = batch.launch_ts, batch.forward_iter
+        if launch_ts is None or forward_iter is None:
+            return None
+        close(launch_ts, forward_iter, bool(batch.after_idle_gap))
+    except Exception as exc:
+        _note_hook_error("telemetry", exc)
+    return None
+
+
 # --- readout ---------------------------------------------------------------------------------
 
 
@@ -390,6 +415,8 @@ def _missing_hooks() -> list[str]:
         (TARGET_GET_STATE, _STATE_MOD, _STATE_CLS, "get_internal_state", get_internal_state_hook),
         (TARGET_DECODE, _RESULT_MOD, _RESULT_CLS, "process_batch_result_decode",
          decode_result_hook),
+        (TARGET_PREFILL, _RESULT_MOD, _RESULT_CLS, "process_batch_result_prefill",
+         prefill_result_hook),
     )
     for target, module, owner, attr, hook in checks:
         if not _hook_in_place(module, owner, attr, hook):
@@ -491,6 +518,7 @@ def register() -> None:
         HookRegistry.register(TARGET_SET_STATE, set_internal_state_hook, HookType.AROUND)
         HookRegistry.register(TARGET_GET_STATE, get_internal_state_hook, HookType.AFTER)
         HookRegistry.register(TARGET_DECODE, decode_result_hook, HookType.AFTER)
+        HookRegistry.register(TARGET_PREFILL, prefill_result_hook, HookType.AFTER)
     except Exception as exc:
         _RT.register_error = f"{type(exc).__name__}: {exc}"
         logger.exception("dynspec: could not register the SGLang hooks; SGLang runs as stock")
