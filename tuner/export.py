@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from policies import Buckets
+from tuner._atomic import write_atomic
 from tuner.errors import ConfigError
 from tuner.protocol import ProtocolError, Table, format_table, validate_table
 from tuner.report import BucketReport, ServerReport, build_report
@@ -387,10 +388,7 @@ def _policy_file(learned: LearnedTable, now: float) -> Any:
 
 def _atomic_write(path: Path, data: bytes) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(data)
-        tmp.replace(path)
+        write_atomic(path, data)
     except OSError as exc:
         raise ConfigError(f"{path}: cannot write: {exc.strerror or exc}") from exc
 

@@ -29,12 +29,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tuner._atomic import write_atomic
 from tuner.protocol import PROTOCOL_VERSION, ProtocolError, Table, table_to_json, validate_table
 
 __all__ = [
@@ -369,15 +369,7 @@ def save(policy: PolicyFile, path: str | os.PathLike[str]) -> Path:
     target = Path(path)
     text = dumps(policy)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent or ".")
-        try:
-            os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide it from a server run as another user
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write(text)
-            os.replace(tmp, target)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        write_atomic(target, text, parents=False)
     except OSError as exc:
         raise PolicyFileError(str(target), f"cannot write: {exc.strerror or exc}") from exc
     return target

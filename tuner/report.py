@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from policies import Buckets
+from tuner._atomic import write_atomic
 from tuner.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -1111,9 +1112,6 @@ def _with_plots(s: ServerReport, files: dict[str, str]) -> ServerReport:
 
 def _write_bytes(path: Path, data: bytes) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(data)
-        tmp.replace(path)
+        write_atomic(path, data)
     except OSError as exc:
         raise ConfigError(f"{path}: cannot write: {exc.strerror or exc}") from exc

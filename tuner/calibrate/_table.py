@@ -17,12 +17,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tuner._atomic import write_atomic
 from tuner.errors import ConfigError, DynspecError
 
 __all__ = ["CalibrationTable", "CostRow", "read_table", "write_table"]
@@ -100,15 +100,7 @@ def write_table(path: str | os.PathLike[str], info: Mapping[str, Any], rows: Ite
     lines += [json.dumps(r.to_json()) for r in sorted(rows, key=lambda r: (r.b, r.q))]
     text = "\n".join(lines) + "\n"
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write(text)
-            os.replace(tmp, out)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomic(out, text)
     except OSError as exc:
         raise DynspecError(f"cannot write calibration table {out}: {exc.strerror or exc}") from exc
     return out

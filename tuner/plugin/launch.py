@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from tuner._atomic import write_atomic
 
 __all__ = [
     "ALGORITHMS",
@@ -61,18 +62,7 @@ def adaptive_config(arms: Iterable[int]) -> dict[str, Any]:
 def write_adaptive_config(arms: Iterable[int], path: str | os.PathLike[str]) -> Path:
     """Write :func:`adaptive_config` atomically. Raises OSError if it cannot be written."""
     target = Path(path)
-    text = json.dumps(adaptive_config(arms)) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    try:
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return target
+    return write_atomic(target, json.dumps(adaptive_config(arms)) + "\n", parents=False)
 
 
 def sglang_flags(
