@@ -17,6 +17,7 @@ from policies._base import (
     Observation,
     PolicySnapshot,
     Table,
+    table_from_arms,
 )
 from policies._guard import GuardVerdict, guard_check
 from policies._learning import LearnerParams, LearningPolicy
@@ -83,6 +84,7 @@ __all__ = [
     "make_policy",
     "policy_parameters",
     "reward",
+    "table_from_arms",
     "sglang_settled_arm",
     "sglang_static_table",
 ]

@@ -21,6 +21,7 @@ __all__ = [
     "Observation",
     "PolicySnapshot",
     "Table",
+    "table_from_arms",
 ]
 
 # A table: ordered (max_batch_size, k) rows, last bound None (= everything larger).
@@ -31,6 +32,23 @@ Table = tuple[tuple[int | None, int], ...]
 # (1..8, 10..32 step 2, 40..64 step 4, 72..256 step 8), so graph padding never carries a batch
 # across a bucket boundary. Everything above the last edge is one more bucket.
 DEFAULT_BUCKET_EDGES: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def table_from_arms(arms_by_bound: Iterable[tuple[int | None, int]]) -> Table:
+    """``(upper bound, arm)`` pairs in increasing bound order -> a table.
+
+    Neighbouring ranges with the same arm merge into one row; the last row becomes unbounded.
+    """
+    rows: list[tuple[int | None, int]] = []
+    for bound, k in arms_by_bound:
+        if rows and rows[-1][1] == k:
+            rows[-1] = (bound, k)
+        else:
+            rows.append((bound, k))
+    if not rows:
+        raise ValueError("a table needs at least one (bound, arm) pair")
+    rows[-1] = (None, rows[-1][1])
+    return tuple(rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,14 +152,7 @@ class Buckets:
         """Per-bucket arms -> a table, merging neighbouring buckets with the same arm."""
         if len(arms) != len(self):
             raise ValueError(f"need {len(self)} arms (one per bucket), got {len(arms)}")
-        rows: list[tuple[int | None, int]] = []
-        for i, k in enumerate(arms):
-            high = self.bounds(i)[1]
-            if rows and rows[-1][1] == k:
-                rows[-1] = (high, k)
-            else:
-                rows.append((high, k))
-        return tuple(rows)
+        return table_from_arms((self.bounds(i)[1], k) for i, k in enumerate(arms))
 
     def arms_of(self, table: Table) -> tuple[int, ...]:
         """The arm a table gives each bucket (taken at the bucket's upper bound)."""

@@ -20,7 +20,15 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from policies._acceptance import expected_accepted
-from policies._base import ArmEstimate, BasePolicy, Buckets, Observation, PolicySnapshot, Table
+from policies._base import (
+    ArmEstimate,
+    BasePolicy,
+    Buckets,
+    Observation,
+    PolicySnapshot,
+    Table,
+    table_from_arms,
+)
 from policies._stats import ArmStats, reward
 
 __all__ = [
@@ -352,15 +360,7 @@ def sglang_static_table(
 
     # Past the last slot key and the largest graph, nothing changes any more.
     horizon = max(slot_keys[-1], max(graphs) if graphs else 1) + 1
-    rows: list[tuple[int | None, int]] = []
-    for b in range(1, horizon + 1):
-        k = arm_at(b)
-        if rows and rows[-1][1] == k:
-            rows[-1] = (b, k)
-        else:
-            rows.append((b, k))
-    rows[-1] = (None, rows[-1][1])
-    return tuple(rows)
+    return table_from_arms((b, arm_at(b)) for b in range(1, horizon + 1))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,6 +19,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from policies import table_from_arms
 from tuner.sim.graphs import cuda_graph_bs, pad_batch_size
 from tuner.sim.profiles import CostProfile
 from tuner.sim.workloads import LengthDist, Workload, get_workload
@@ -220,25 +221,23 @@ def oracle_table(
     Bounds fall where the best arm changes, so the table is exact for every ``b ≤ max_batch``.
     """
     arms = tuple(sorted(set(arms)))
-    rows: list[tuple[int | None, int]] = []
-    for b in range(1, max_batch + 1):
-        k = oracle_arm(
-            profile,
-            workload,
+    return table_from_arms(
+        (
             b,
-            arms,
-            t=t,
-            skip_zero_draft_extend=skip_zero_draft_extend,
-            graph_bs=graph_bs,
-            heterogeneous=heterogeneous,
-            weighting=weighting,
+            oracle_arm(
+                profile,
+                workload,
+                b,
+                arms,
+                t=t,
+                skip_zero_draft_extend=skip_zero_draft_extend,
+                graph_bs=graph_bs,
+                heterogeneous=heterogeneous,
+                weighting=weighting,
+            ),
         )
-        if rows and rows[-1][1] == k:
-            rows[-1] = (b, k)
-        else:
-            rows.append((b, k))
-    rows[-1] = (None, rows[-1][1])
-    return tuple(rows)
+        for b in range(1, max_batch + 1)
+    )
 
 
 def _lookup(table: Table, b: int) -> int:
