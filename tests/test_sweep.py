@@ -23,6 +23,7 @@ from tuner.sweep import (
     ServerWindow,
     Sweep,
     SweepConfig,
+    SweepResult,
     crossover_text,
     measurements_from_study,
     plot_png,
@@ -387,3 +388,21 @@ def test_text_json_and_png_outputs(tmp_path):
     assert any(c["arm"] == "table" for c in obj["cells"])
     png = plot_png(result, tmp_path / "out" / "sweep.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_level_the_client_could_not_fill_is_flagged():
+    def win(level, batch):
+        return ServerWindow(100, 1000, 0, 0, 1.0, int(100 * batch), {0: 100})
+
+    p = Planner(SweepConfig(levels=(8, 32, 64)), (0,))
+    ms = [
+        Measurement(level=lv, arm=0, window_s=10.0, requests=50, output_tokens=1000,
+                    tok_s=100.0 * lv, tok_s_se=1.0, tpot_p50_ms=1.0, tpot_p99_ms=2.0,
+                    avg_in_flight=lv, server=win(lv, b))
+        for lv, b in ((8, 7.5), (32, 30.0), (64, 7.2))
+    ]
+    result = SweepResult.build(p, ms, study_name="s", notes=("first",))
+    assert result.notes[0] == "first"
+    assert len(result.notes) == 2 and result.notes[1].startswith(
+        "concurrency 64: the server's decode batch averaged 7.2, not ~30"
+    )

@@ -453,9 +453,10 @@ class CellEstimate:
             return cls(last.level, last.arm, math.nan, math.nan, 0, 0.0, False, last)
         w = [max(m.window_s, 1e-9) for m in usable]
         total = sum(w)
-        mean = sum(wi * m.tok_s for wi, m in zip(w, usable)) / total
+        mean = sum(wi * m.tok_s for wi, m in zip(w, usable, strict=True)) / total
         if all(math.isfinite(m.tok_s_se) for m in usable):
-            se = math.sqrt(sum((wi * m.tok_s_se) ** 2 for wi, m in zip(w, usable))) / total
+            sq = sum((wi * m.tok_s_se) ** 2 for wi, m in zip(w, usable, strict=True))
+            se = math.sqrt(sq) / total
         elif len(usable) >= 2:
             spread = math.sqrt(sum((m.tok_s - mean) ** 2 for m in usable) / (len(usable) - 1))
             se = spread / math.sqrt(len(usable))
@@ -1340,7 +1341,9 @@ class SweepResult:
         for lv in planner.levels:
             for arm, why in planner.skipped(est, lv).items():
                 skipped[(lv, arm)] = why
+        notes = tuple(kw.pop("notes", ())) + _starved_levels(est, best)
         return cls(
+            notes=notes,
             levels=planner.levels,
             arms=planner.arms,
             cells=est,
@@ -1408,6 +1411,33 @@ class SweepResult:
             "interrupted": self.interrupted,
             "notes": list(self.notes),
         }
+
+
+# A level whose server-side decode batch stays below this share of what it should be is
+# flagged: the requests are not reaching the server as fast as the level asks.
+_STARVED_BATCH_SHARE = 0.7
+
+
+def _starved_levels(est: Mapping[Cell, CellEstimate], best: Mapping[int, int]) -> tuple[str, ...]:
+    batches = {
+        lv: w.mean_batch
+        for lv, arm in best.items()
+        if (w := est[(lv, arm)].server) is not None and math.isfinite(w.mean_batch)
+    }
+    if not batches:
+        return ()
+    cap = max(batches.values())  # the running-request cap, or the largest level
+    out = []
+    for lv, b in sorted(batches.items()):
+        expected = min(lv, cap)
+        if b < _STARVED_BATCH_SHARE * expected:
+            out.append(
+                f"concurrency {lv}: the server's decode batch averaged {b:.1f}, not "
+                f"~{expected:.0f}: requests are not reaching it as fast as the level asks "
+                "(a client too slow for the load, or a prefill-bound server); its numbers are "
+                "not that level's"
+            )
+    return tuple(out)
 
 
 def crossover_text(best: Mapping[int, int], arms: Sequence[int]) -> str:
@@ -1494,10 +1524,10 @@ def render_text(result: SweepResult, *, header: str | None = None) -> str:
     lines.append("output tokens/s by concurrency (* best, ~ within "
                  f"{result.tolerance:.0%}, < pruned early, - skipped); for the best arm: "
                  "client TPOT, and the server's goodput, batch and acceptance (its counters)")
-    lines.append("  ".join(h.rjust(w) for h, w in zip(head, widths)))
+    lines.append("  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True)))
     lines.append("  ".join("-" * w for w in widths))
     for r in rows:
-        lines.append("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+        lines.append("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
     lines.append("")
     lines.append(result.crossover)
     if result.table is not None:
@@ -1527,12 +1557,12 @@ def plot_png(result: SweepResult, path: str | Path, *, title: str | None = None)
             pts = sorted((lv, e.mean) for (lv, a), e in result.cells.items() if a == arm)
             if not pts:
                 continue
-            xs, ys = zip(*pts)
+            xs, ys = zip(*pts, strict=True)
             style = {"linestyle": "--", "color": "black"} if arm == TABLE_ARM else {}
             ax.plot(xs, ys, marker="o", label=_arm_label(arm), **style)
         best_pts = [(lv, result.cells[(lv, a)].mean) for lv, a in result.best.items()]
         if best_pts:
-            xs, ys = zip(*best_pts)
+            xs, ys = zip(*best_pts, strict=True)
             ax.scatter(xs, ys, s=160, facecolors="none", edgecolors="red", label="best arm")
         off = sorted(lv for lv, a in result.best.items() if a == 0)
         if off and off[0] != min(result.best):
