@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from sqlalchemy import BigInteger, Double, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import BigInteger, Double, ForeignKey, Index, Integer, String, Text, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 # Bumped whenever a table changes shape; Storage refuses a database newer than it knows and
-# migrates older ones step by step (there is only version 1 so far).
-SCHEMA_VERSION = 1
+# migrates older ones step by step. v2: observations carry their own moments (interval count,
+# sums of squares) and a roll-up marker, so old rows can be merged without losing what the
+# report's intervals need.
+SCHEMA_VERSION = 2
 
 # SQLite only auto-increments an INTEGER PRIMARY KEY; PostgreSQL gets a BIGINT identity.
 _BigId = BigInteger().with_variant(Integer(), "sqlite")
@@ -63,6 +65,28 @@ class ObservationModel(Base):
     accepted_drafts: Mapped[counter]
     drafted_tokens: Mapped[counter]
     busy_s: Mapped[float] = mapped_column(Double)
+    # Schema v2. A row is one sampling interval when fresh; a rolled-up row (Storage.rollup)
+    # sums several. The moments are NULL on a fresh row, meaning "the row's own values"
+    # (e*e, e*t, t*t): nothing extra is written per tick, and a v1 writer still sharing the
+    # database stays correct.
+    n_intervals: Mapped[int] = mapped_column(BigInteger, default=1, server_default=text("1"))
+    emitted_sq: Mapped[float | None] = mapped_column(Double)  # Σ e²
+    emitted_busy: Mapped[float | None] = mapped_column(Double)  # Σ e·t
+    busy_sq: Mapped[float | None] = mapped_column(Double)  # Σ t²
+    # NULL: a fresh row as recorded. Otherwise the width of the time bin it was rolled into:
+    # live pool readers skip such rows (their content was read when it was fresh).
+    rollup_bin_s: Mapped[float | None] = mapped_column(Double)
+
+
+# Columns schema v2 added to observations, with their DDL type (portable SQLite/PostgreSQL),
+# for migrating a v1 database in place.
+OBSERVATION_V2_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("n_intervals", "BIGINT NOT NULL DEFAULT 1"),
+    ("emitted_sq", "DOUBLE PRECISION"),
+    ("emitted_busy", "DOUBLE PRECISION"),
+    ("busy_sq", "DOUBLE PRECISION"),
+    ("rollup_bin_s", "DOUBLE PRECISION"),
+)
 
 
 class PolicyVersionModel(Base):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import time
@@ -12,22 +13,28 @@ from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
     Double,
     Engine,
     Integer,
     cast,
     create_engine,
+    delete,
     event,
     func,
     insert,
+    inspect,
+    literal,
     or_,
     select,
+    text,
 )
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from storage._models import (
+    OBSERVATION_V2_COLUMNS,
     SCHEMA_VERSION,
     Base,
     EventModel,
@@ -213,6 +220,9 @@ class Storage:
             session.close()
 
     def _prepare(self) -> None:
+        # Whether observations have schema v2's columns (moments, roll-up marker); a
+        # read-only reader of a v1 history computes the same numbers from v1's columns.
+        self._v2 = True
         if self.read_only:
             with self._session_scope("reading the schema version") as s:
                 try:
@@ -220,6 +230,7 @@ class Storage:
                 except SQLAlchemyError as exc:
                     raise self._error("no dynspec history here", exc) from exc
                 self._check_version(row)
+                self._v2 = row is None or row.version >= 2
             return
         try:
             Base.metadata.create_all(self._engine)
@@ -228,6 +239,7 @@ class Storage:
         with self._session_scope("checking the database is writable") as s:
             row = s.get(SchemaVersionModel, 1)
             self._check_version(row)
+            old = None if row is None else row.version
             if row is None:
                 s.add(SchemaVersionModel(id=1, version=SCHEMA_VERSION, created_at=time.time()))
             else:
@@ -238,6 +250,46 @@ class Storage:
                     .where(SchemaVersionModel.id == 1)
                     .values(version=row.version)
                 )
+        if old is not None and old < SCHEMA_VERSION:
+            self._migrate(old)
+
+    def _migrate(self, old: int) -> None:
+        """Bring a history of an older schema up to :data:`SCHEMA_VERSION` in place.
+
+        v1 -> v2 adds observations' moment columns and roll-up marker (NULL moments mean
+        "the row's own values", so no row is rewritten: instant on any size). Safe against
+        a second daemon migrating at the same time: PostgreSQL serialises on the version
+        row; on SQLite a column the other one added first is seen on the retry.
+        """
+        for attempt in range(2):
+            try:
+                with self._engine.begin() as conn:
+                    version = conn.scalar(
+                        select(SchemaVersionModel.version)
+                        .where(SchemaVersionModel.id == 1)
+                        .with_for_update()  # ignored by SQLite, whose writers queue anyway
+                    )
+                    if version is None or version >= SCHEMA_VERSION:
+                        return
+                    table = ObservationModel.__tablename__
+                    have = {c["name"] for c in inspect(conn).get_columns(table)}
+                    for name, ddl in OBSERVATION_V2_COLUMNS:
+                        if name not in have:
+                            conn.execute(text(f"ALTER TABLE {table} ADD COLUMN {name} {ddl}"))
+                    conn.execute(
+                        SchemaVersionModel.__table__.update()
+                        .where(SchemaVersionModel.id == 1)
+                        .values(version=SCHEMA_VERSION)
+                    )
+                _log.info("%s: history migrated from schema v%d to v%d", self.url, old,
+                          SCHEMA_VERSION)
+                return
+            except SQLAlchemyError as exc:
+                if attempt:
+                    raise self._error(
+                        f"cannot migrate the history from schema v{old} to v{SCHEMA_VERSION}",
+                        exc,
+                    ) from exc
 
     def _check_version(self, row: SchemaVersionModel | None) -> None:
         if row is not None and row.version > SCHEMA_VERSION:
@@ -268,6 +320,29 @@ class Storage:
 
     def __repr__(self) -> str:
         return f"Storage({self.url!r})"
+
+    def _row_moments(self) -> tuple[Any, Any, Any, Any]:
+        """SQL for one stored row's ``(intervals, Σe², Σe·t, Σt²)``, to be summed.
+
+        A fresh row is one interval whose moments are its own values (its columns are
+        NULL); a rolled-up row carries the sums of the rows it merged.
+        """
+        o = ObservationModel
+        # Products as doubles: SQLite's integer SUM raises on overflow.
+        e = cast(o.emitted_tokens, Double)
+        t = o.busy_s
+        if not self._v2:  # read-only over a v1 history: nothing was ever rolled up
+            return cast(1, BigInteger), e * e, e * t, t * t
+        return (
+            o.n_intervals,
+            func.coalesce(o.emitted_sq, e * e),
+            func.coalesce(o.emitted_busy, e * t),
+            func.coalesce(o.busy_sq, t * t),
+        )
+
+    def _fresh_only(self, q: Any) -> Any:
+        """``q`` without rolled-up rows (live pool readers: their content was read fresh)."""
+        return q.where(ObservationModel.rollup_bin_s.is_(None)) if self._v2 else q
 
     @property
     def schema_version(self) -> int:
@@ -399,6 +474,106 @@ class Storage:
                     ],
                 )
 
+    def rollup(self, *, older_than: float, bin_s: float, server: str | None = None) -> int:
+        """Merge old observations so the history stays bounded; returns the rows removed
+        (the table's net shrink).
+
+        Rows recorded before ``older_than`` (epoch seconds, rounded down to a multiple of
+        ``bin_s`` so only whole bins are merged) become one row per ``(server, time bin,
+        b, k)`` with bins ``floor(ts / bin_s)`` (hours of UTC for 3600): counters and busy
+        seconds summed, stamped with the time of the last interval merged, and carrying the
+        interval count and the sums ``Σe²``, ``Σe·t``, ``Σt²`` over the intervals merged.
+        Every total, and every figure :meth:`aggregate` and :meth:`moments` give over
+        windows that do not cut a bin, is therefore exactly what the raw rows gave (so are
+        the report's estimates and 95 % intervals). Rows rolled up into a smaller bin are
+        merged again into ``bin_s`` bins; rows already at ``bin_s`` or coarser stay as
+        they are, so calling it again is cheap and changes nothing.
+
+        One transaction, in SQL (``INSERT ... SELECT ... GROUP BY``, then ``DELETE``), per
+        server so it uses the ``(server, ts)`` index. Readers never block; on PostgreSQL
+        writers of observations wait for it (a table lock: a row committed while it runs
+        is neither lost nor merged twice, and two daemons rolling up at once serialise).
+
+        Live pool readers (:meth:`pool_observations`) skip rolled-up rows, which get new
+        ids: a reader that has read the merged rows counts nothing twice. It must have read
+        them before they were rolled up, which a reader following a pool tick by tick has
+        (rows reach the database within the tick that observed them) unless ``older_than``
+        is within a tick of now - or rows were held back by a history outage longer than
+        the age they are rolled up at.
+
+        Raises:
+            ValueError: ``bin_s`` not a positive number or ``older_than`` not finite.
+            StorageError: the history is read-only or the write failed (nothing changed).
+        """
+        if not (isinstance(bin_s, (int, float)) and math.isfinite(bin_s) and bin_s > 0):
+            raise ValueError(f"bin_s must be a positive number of seconds, got {bin_s!r}")
+        if not (isinstance(older_than, (int, float)) and math.isfinite(older_than)):
+            raise ValueError(f"older_than must be a finite epoch time, got {older_than!r}")
+        if self.read_only:
+            raise StorageError(f"{self.url}: opened read-only, cannot roll up")
+        bin_s = float(bin_s)
+        cutoff = math.floor(older_than / bin_s) * bin_s
+        o = ObservationModel
+        if self._engine.dialect.name == "sqlite":
+            bin_expr: Any = cast(o.ts / bin_s + _BIN_SHIFT, BigInteger) - _BIN_SHIFT
+        else:
+            bin_expr = cast(func.floor(o.ts / bin_s), BigInteger)
+        intervals, ee, et, tt = self._row_moments()
+        columns = (
+            "server_id", "ts", "b", "k", "decode_steps", "emitted_tokens", "accepted_drafts",
+            "drafted_tokens", "busy_s", "n_intervals", "emitted_sq", "emitted_busy", "busy_sq",
+            "rollup_bin_s",
+        )
+        inserted = deleted = 0
+        with self._session_scope("rolling up old observations") as s:
+            if self._engine.dialect.name == "postgresql":
+                # Conflicts with inserts and with itself, not with readers.
+                s.execute(text(f"LOCK TABLE {o.__tablename__} IN SHARE ROW EXCLUSIVE MODE"))
+            ids = select(ServerModel.id).order_by(ServerModel.id)
+            if server is not None:
+                ids = ids.where(ServerModel.address == server)
+            server_ids = list(s.scalars(ids))
+            # Rows above this id (SQLite: committed after it was read) wait for the next
+            # roll-up; the merged rows, inserted above it, are never deleted below.
+            top = s.scalar(select(func.max(o.id)))
+            if top is None:
+                return 0
+            for sid in server_ids:
+                old = (
+                    o.server_id == sid,
+                    o.ts < cutoff,
+                    o.id <= top,
+                    or_(o.rollup_bin_s.is_(None), o.rollup_bin_s < bin_s),
+                )
+                merged = (
+                    select(
+                        o.server_id,
+                        func.max(o.ts),
+                        o.b,
+                        o.k,
+                        func.sum(o.decode_steps),
+                        func.sum(o.emitted_tokens),
+                        func.sum(o.accepted_drafts),
+                        func.sum(o.drafted_tokens),
+                        func.sum(o.busy_s),
+                        func.sum(intervals),
+                        func.sum(ee),
+                        func.sum(et),
+                        func.sum(tt),
+                        cast(literal(bin_s), Double),
+                    )
+                    .where(*old)
+                    .group_by(o.server_id, bin_expr, o.b, o.k)
+                )
+                # Core statements on the table: nothing for the ORM to synchronise.
+                table = o.__table__
+                inserted += s.execute(insert(table).from_select(columns, merged)).rowcount
+                deleted += s.execute(delete(table).where(*old)).rowcount
+        if deleted:
+            _log.info("%s: rolled up %d observations before %.0f into %d rows of %g s",
+                      self.url, deleted, cutoff, inserted, bin_s)
+        return deleted - inserted
+
     # --- reading ----------------------------------------------------------------------------
 
     @staticmethod
@@ -489,14 +664,16 @@ class Storage:
         until: float | None = None,
     ) -> list[ObservationAggregate]:
         """Sums per ``(server, b, k)``, computed by the database (fast on millions of rows),
-        ordered by server, b, k."""
+        ordered by server, b, k. ``rows`` counts sampling intervals: a rolled-up row counts
+        for every interval it merged, so the figures do not change with a roll-up."""
         o = ObservationModel
+        intervals = self._row_moments()[0]
         q = (
             select(
                 ServerModel.address,
                 o.b,
                 o.k,
-                func.count(o.id),
+                func.sum(intervals),
                 func.sum(o.decode_steps),
                 func.sum(o.emitted_tokens),
                 func.sum(o.accepted_drafts),
@@ -571,6 +748,12 @@ class Storage:
         For reports: confidence intervals of goodput and time series without moving rows
         into Python. ``bin_s`` None puts every row in bin 0; otherwise a row at ``ts`` falls
         in bin ``floor((ts - origin) / bin_s)``. Ordered by server, bin, b, k.
+
+        ``rows`` counts sampling intervals and the sums of squares run over intervals, also
+        through rolled-up rows (:meth:`rollup`), which carry the moments of what they
+        merged: the numbers are those of the raw rows, except that a rolled-up row sits
+        whole at its time stamp (the last interval it merged) for ``bin_s``, ``since`` and
+        ``until``.
         """
         if bin_s is not None and not bin_s > 0:
             raise ValueError(f"bin_s must be > 0, got {bin_s}")
@@ -584,23 +767,22 @@ class Storage:
         else:
             bin_expr = cast(func.floor((o.ts - origin) / bin_s), Integer)
         bin_col = bin_expr.label("bin")
-        # Products as doubles: SQLite's integer SUM raises on overflow.
-        e = cast(o.emitted_tokens, Double)
+        intervals, ee, et, tt = self._row_moments()
         # Grouped by the server's id, named afterwards: no join over a million rows.
         q = select(
             o.server_id,
             bin_col,
             o.b,
             o.k,
-            func.count(o.id),
+            func.sum(intervals),
             func.sum(o.decode_steps),
             func.sum(o.emitted_tokens),
             func.sum(o.accepted_drafts),
             func.sum(o.drafted_tokens),
             func.sum(o.busy_s),
-            func.sum(e * e),
-            func.sum(e * o.busy_s),
-            func.sum(o.busy_s * o.busy_s),
+            func.sum(ee),
+            func.sum(et),
+            func.sum(tt),
             func.min(o.ts),
             func.max(o.ts),
         ).group_by(o.server_id, bin_col, o.b, o.k)
@@ -688,8 +870,11 @@ class Storage:
 
         Ids grow with every insert, but a transaction that commits late may hold ids below
         rows already read; a reader that must miss nothing looks at the ids of a window below
-        its cursor (:meth:`pool_observation_ids`, cheap) and fetches those it has not seen."""
-        q = (
+        its cursor (:meth:`pool_observation_ids`, cheap) and fetches those it has not seen.
+
+        Rolled-up rows (:meth:`rollup`) are never returned: they repackage rows a live reader
+        read when they were fresh, under new ids."""
+        q = self._fresh_only(
             self._obs_query(None, None, None, arms)
             .add_columns(ObservationModel.id)
             .where(ServerModel.pool == pool, ObservationModel.id > after_id)
@@ -711,8 +896,8 @@ class Storage:
         self, pool: str, *, after_id: int = 0, exclude: Iterable[str] = ()
     ) -> list[int]:
         """Ids of the observations above ``after_id`` of the servers in ``pool`` but not in
-        ``exclude``, ascending (ids only: cheap)."""
-        q = (
+        ``exclude``, ascending (ids only: cheap; rolled-up rows left out, as there)."""
+        q = self._fresh_only(
             select(ObservationModel.id)
             .join(ServerModel, ObservationModel.server_id == ServerModel.id)
             .where(ServerModel.pool == pool, ObservationModel.id > after_id)

@@ -117,6 +117,12 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", dest="timeout_s", type=float, metavar="S",
                    help=f"per HTTP request (default {c.DEFAULT_TIMEOUT_S:g})")
     p.add_argument("--seed", type=int, help="seeds the policy (and the simulator)")
+    # History roll-up (storage.Storage.rollup); strings: config parses durations and "off".
+    p.add_argument("--rollup-after", dest="rollup_after_s", metavar="AGE",
+                   help="roll observations older than AGE up into --rollup-bin bins, about "
+                   "hourly (default 7d; 12h, 3600 or off; DYNSPEC_ROLLUP_AFTER)")
+    p.add_argument("--rollup-bin", dest="rollup_bin_s", metavar="BIN",
+                   help="time bin of rolled-up observations (default 1h; DYNSPEC_ROLLUP_BIN)")
     p.add_argument("--metrics-port", type=int, metavar="N",
                    help="serve the tuner's own Prometheus metrics on this port")
     p.add_argument("--metrics-addr", default=None, metavar="ADDR",
@@ -163,6 +169,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         "duration_s": None if args.simulate else args.duration_s,
         "timeout_s": args.timeout_s,
         "seed": args.seed,
+        "rollup_after_s": args.rollup_after_s,  # history roll-up
+        "rollup_bin_s": args.rollup_bin_s,
     }
     defaults = {"db_url": DEFAULT_SIM_DB_URL} if args.simulate else None
     config = TunerConfig.from_sources(flags, defaults=defaults)

@@ -24,6 +24,8 @@ __all__ = [
     "DEFAULT_DECISION_PERIOD_S",
     "DEFAULT_INTERVAL_S",
     "DEFAULT_POLICY",
+    "DEFAULT_ROLLUP_AFTER_S",
+    "DEFAULT_ROLLUP_BIN_S",
     "DEFAULT_SERVER",
     "DEFAULT_SIM_DB_URL",
     "DEFAULT_SIM_DURATION_S",
@@ -37,6 +39,7 @@ __all__ = [
     "SimulateConfig",
     "TunerConfig",
     "normalize_server",
+    "parse_duration",
     "read_api_key_file",
     "read_servers_file",
 ]
@@ -58,6 +61,16 @@ DEFAULT_DECISION_PERIOD_S = 2.0
 DEFAULT_TIMEOUT_S = 5.0
 # Retry an unreachable server with doubling waits, capped here.
 DEFAULT_BACKOFF_MAX_S = 30.0
+
+# History roll-up (Storage.rollup): observations older than a week are merged into one row
+# per hour and (b, k). A week keeps every raw interval for any recent question (reports of
+# the last days, warm starts; live pool readers need only the last tick); an hour still draws
+# a month's goodput-over-time plot. At 1 Hz and ~20 (b, k) a tick, 72,000 raw rows per
+# server-hour are kept as a few hundred, with the moments the report's intervals need.
+DEFAULT_ROLLUP_AFTER_S = 7 * 86400.0
+DEFAULT_ROLLUP_BIN_S = 3600.0
+# Younger rows may still be unread by a pool-mate or wanted raw by a warm start.
+MIN_ROLLUP_AFTER_S = 3600.0
 
 # `run --simulate`: the built-in simulator under a concurrency sweep 1 -> 256 (one phase per
 # doubling, 120 simulated seconds a sweep, repeated), accelerated so that the default run -
@@ -143,6 +156,24 @@ def read_servers_file(path: str | os.PathLike[str]) -> tuple[str, ...]:
     return tuple(servers)
 
 
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_UNIT_S = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+
+
+def parse_duration(text: str) -> float | None:
+    """``90``, ``90s``, ``15m``, ``1h``, ``7d``, ``2w`` -> seconds; ``off``/``never`` -> None.
+
+    Raises:
+        ValueError: anything else.
+    """
+    if text.strip().lower() in ("off", "never", "none"):
+        return None
+    m = _DURATION.match(text)
+    if not m:
+        raise ValueError(f"{text!r}: expected a duration such as 3600, 30m, 1h, 7d or off")
+    return float(m.group(1)) * _UNIT_S[m.group(2)]
+
+
 def _positive(name: str, value: float) -> None:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
         raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
@@ -167,6 +198,9 @@ class TunerConfig:
         seed: seeds the policies.
         pool: a name for identical replicas (same model, arms and hardware): servers recorded
             under one pool learn from each other's observations; None = no pooling.
+        rollup_after_s: observations older than this are rolled up into ``rollup_bin_s``
+            bins (``Storage.rollup``, run by the daemon about hourly); None = never.
+        rollup_bin_s: the time bin rolled-up observations are merged into.
     """
 
     servers: tuple[str, ...] = (DEFAULT_SERVER,)
@@ -182,6 +216,8 @@ class TunerConfig:
     backoff_max_s: float = DEFAULT_BACKOFF_MAX_S
     seed: int = 0
     pool: str | None = None
+    rollup_after_s: float | None = DEFAULT_ROLLUP_AFTER_S
+    rollup_bin_s: float = DEFAULT_ROLLUP_BIN_S
 
     def __post_init__(self) -> None:
         if not self.servers:
@@ -219,6 +255,18 @@ class TunerConfig:
                     f"buckets must be positive, strictly increasing batch sizes, got {edges}"
                 )
             object.__setattr__(self, "buckets", edges)
+        _positive("rollup bin", self.rollup_bin_s)
+        if self.rollup_bin_s < self.interval_s:
+            raise ConfigError(f"rollup bin ({self.rollup_bin_s:g} s) must be >= the interval "
+                              f"({self.interval_s:g} s): a bin merges whole intervals")
+        if self.rollup_after_s is not None:
+            _positive("rollup after", self.rollup_after_s)
+            if self.rollup_after_s < max(MIN_ROLLUP_AFTER_S, self.rollup_bin_s):
+                raise ConfigError(
+                    f"rollup after ({self.rollup_after_s:g} s) must be >= 1 h and >= the rollup "
+                    f"bin ({self.rollup_bin_s:g} s): younger rows may still be unread by a "
+                    "pool-mate (use off to never roll up)"
+                )
         if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()):
             raise ConfigError("api key must be non-empty without surrounding whitespace")
 
@@ -239,7 +287,9 @@ class TunerConfig:
         database) over the class defaults.
 
         Flags: ``servers, servers_file, db_url, policy, interval_s, decision_period_s,
-        buckets, api_key_file, dry_run, duration_s, timeout_s, seed, pool``. Variables:
+        buckets, api_key_file, dry_run, duration_s, timeout_s, seed, pool, rollup_after_s,
+        rollup_bin_s`` (the roll-up ones also as duration strings: ``7d``, ``1h``, ``off``).
+        Variables: ``DYNSPEC_ROLLUP_AFTER``, ``DYNSPEC_ROLLUP_BIN`` (durations),
         ``DYNSPEC_SERVERS`` (comma-separated), ``DYNSPEC_SERVERS_FILE``, ``DYNSPEC_POOL``,
         ``DYNSPEC_DB``, ``DYNSPEC_POLICY``,
         ``DYNSPEC_INTERVAL``, ``DYNSPEC_DECISION_PERIOD``, ``DYNSPEC_BUCKETS``,
@@ -296,6 +346,22 @@ class TunerConfig:
         pick("duration_s", "DURATION", float)
         pick("timeout_s", "TIMEOUT", float)
         pick("seed", "SEED", int)
+        # Roll-up: seconds or durations (7d, 1h); "off" (rollup after only) never rolls up.
+        for flag, var in (("rollup_after_s", "ROLLUP_AFTER"), ("rollup_bin_s", "ROLLUP_BIN")):
+            raw = flags.get(flag)
+            source = f"--{flag.removesuffix('_s').replace('_', '-')} {raw!r}"
+            if raw is None:
+                raw = env.get(ENV_PREFIX + var)
+                source = f"{ENV_PREFIX}{var}={raw!r}"
+                if raw is None or raw.strip() == "":
+                    continue
+            try:
+                value = float(raw) if isinstance(raw, (int, float)) else parse_duration(raw)
+            except ValueError as exc:
+                raise ConfigError(f"{source}: {exc}") from None
+            if value is None and flag == "rollup_bin_s":
+                raise ConfigError(f"{source}: a duration is needed, not off")
+            out[flag] = value
         if flags.get("dry_run"):
             out["dry_run"] = True
         else:

@@ -62,6 +62,7 @@ __all__ = [
     "DEFAULT_MAX_BUFFERED_ROWS",
     "DEFAULT_PLUGIN_RECHECK_S",
     "DEFAULT_POOL_LOOKBACK_IDS",
+    "DEFAULT_ROLLUP_EVERY_S",
     "Daemon",
     "DaemonStatus",
     "PushInfo",
@@ -81,6 +82,9 @@ DEFAULT_PLUGIN_RECHECK_S = 60.0
 # transaction may commit after rows with higher ids were read (PostgreSQL allocates ids at
 # insert, not at commit). A few ticks of a large fleet fit in it.
 DEFAULT_POOL_LOOKBACK_IDS = 2_000
+# History roll-up (Storage.rollup): at the first tick, then this often (daemon clock). The
+# cutoff moves by this much between runs, so each run merges about an hour of raw rows.
+DEFAULT_ROLLUP_EVERY_S = 3600.0
 
 PolicyFactory = Callable[[tuple[int, ...], Buckets], BasePolicy]
 
@@ -326,6 +330,8 @@ class Daemon:
         stop_event: set it (e.g. from a signal handler) to stop :meth:`run`; one is created
             when None (see :meth:`request_stop`).
         max_buffered_rows: rows kept in memory while the history is unavailable.
+        rollup_every_s: how often old observations are rolled up (``config.rollup_after_s``
+            and ``rollup_bin_s`` say which and how; never when that is None).
 
     Raises:
         ConfigError: an unknown policy or bad policy parameters.
@@ -345,6 +351,7 @@ class Daemon:
         on_tick: Callable[[DaemonStatus], None] | None = None,
         stop_event: threading.Event | None = None,
         max_buffered_rows: int = DEFAULT_MAX_BUFFERED_ROWS,
+        rollup_every_s: float = DEFAULT_ROLLUP_EVERY_S,
     ) -> None:
         self.config = config
         self.storage = storage
@@ -385,6 +392,12 @@ class Daemon:
         self._started = False
         self._closed = False
         self._status: DaemonStatus | None = None
+        # History roll-up: due at the first tick, then every rollup_every_s.
+        self.rollup_every_s = rollup_every_s
+        self._next_rollup: float | None = None
+        self._rollup_failing = False
+        self.rollups = 0  # roll-ups that ran (tests, status)
+        self.rollups_failed = 0
 
     @staticmethod
     def _default_factory(config: TunerConfig) -> PolicyFactory:
@@ -513,6 +526,7 @@ class Daemon:
                         n_obs += o
                         n_push += p
         stored = self._flush(now)
+        self._maybe_rollup(now)  # history roll-up: about hourly, never every tick
         self._ticks += 1
         self._publish(now)
         return TickSummary(ts=now, observations=n_obs, pushes=n_push, stored=stored)
@@ -990,6 +1004,36 @@ class Daemon:
             log.info("history writable again: %d buffered rows written", rows)
             self._storage_down_since = None
         return True
+
+    # --- history roll-up --------------------------------------------------------------------
+
+    def _maybe_rollup(self, now: float) -> None:
+        """Roll up observations older than ``rollup_after_s`` when due (first tick, then
+        every ``rollup_every_s``). A failure is logged once per streak, retried at the next
+        slot (not every tick: the history may just be busy), and never stops the loop."""
+        after = self.config.rollup_after_s
+        if self.storage is None or after is None:
+            return
+        if self._next_rollup is not None and now < self._next_rollup:
+            return
+        self._next_rollup = now + self.rollup_every_s
+        try:
+            removed = self.storage.rollup(older_than=now - after, bin_s=self.config.rollup_bin_s)
+        except Exception as exc:  # StorageError, or a bug: the loop goes on either way
+            self.rollups_failed += 1
+            if not self._rollup_failing:
+                self._rollup_failing = True
+                log.warning("history roll-up failed: %s; retried every %g s (said once until "
+                            "it works)", exc, self.rollup_every_s,
+                            exc_info=not isinstance(exc, StorageError))
+            return
+        if self._rollup_failing:
+            log.info("history roll-up works again")
+            self._rollup_failing = False
+        self.rollups += 1
+        if removed:
+            log.info("history: observations older than %g s rolled up into %g s bins, %d rows "
+                     "fewer", after, self.config.rollup_bin_s, removed)
 
     def _read_pool(self) -> None:
         """Live pooling: hand each server what its pool-mates recorded since the last tick."""
