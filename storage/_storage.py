@@ -529,6 +529,14 @@ class Storage:
             if self._engine.dialect.name == "postgresql":
                 # Conflicts with inserts and with itself, not with readers.
                 s.execute(text(f"LOCK TABLE {o.__tablename__} IN SHARE ROW EXCLUSIVE MODE"))
+            else:
+                # SQLite: take the single writer's lock first (a no-op write), so nothing
+                # commits between reading ``top`` and the merge.
+                s.execute(
+                    SchemaVersionModel.__table__.update()
+                    .where(SchemaVersionModel.id == 1)
+                    .values(version=SchemaVersionModel.version)
+                )
             ids = select(ServerModel.id).order_by(ServerModel.id)
             if server is not None:
                 ids = ids.where(ServerModel.address == server)
@@ -567,8 +575,12 @@ class Storage:
                 )
                 # Core statements on the table: nothing for the ORM to synchronise.
                 table = o.__table__
-                inserted += s.execute(insert(table).from_select(columns, merged)).rowcount
+                s.execute(insert(table).from_select(columns, merged))
                 deleted += s.execute(delete(table).where(*old)).rowcount
+            # Counted, not taken from the INSERT's rowcount (-1 for INSERT ... SELECT on
+            # PostgreSQL through SQLAlchemy); everything above ``top`` is ours (table lock /
+            # SQLite's single writer).
+            inserted = int(s.scalar(select(func.count()).select_from(o).where(o.id > top)) or 0)
         if deleted:
             _log.info("%s: rolled up %d observations before %.0f into %d rows of %g s",
                       self.url, deleted, cutoff, inserted, bin_s)
