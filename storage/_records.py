@@ -86,7 +86,9 @@ class ObservationRecord:
 
 @dataclass(frozen=True, slots=True)
 class ObservationAggregate:
-    """Sums over all stored observations of one ``(server, b, k)``, computed in SQL."""
+    """Sums over all stored observations of one ``(server, b, k)``, computed in SQL.
+
+    ``rows`` counts sampling intervals (a rolled-up row counts every interval it merged)."""
 
     server: str
     b: int
@@ -115,10 +117,11 @@ class ObservationAggregate:
 class ObservationMoments:
     """Sums and sums of squares over the stored rows of one ``(server, time bin, b, k)``.
 
-    Each stored row is one sampling interval; ``emitted_sq``, ``emitted_busy`` and
-    ``busy_sq`` sum ``e*e``, ``e*t`` and ``t*t`` over rows (``e`` emitted tokens, ``t`` busy
-    seconds), which is what a confidence interval of the ratio ``Σe/Σt`` (goodput) needs.
-    Every field is additive, so moments of coarser groups are plain sums of these.
+    ``rows`` counts sampling intervals; ``emitted_sq``, ``emitted_busy`` and ``busy_sq`` sum
+    ``e*e``, ``e*t`` and ``t*t`` over intervals (``e`` emitted tokens, ``t`` busy seconds),
+    which is what a confidence interval of the ratio ``Σe/Σt`` (goodput) needs. A fresh
+    stored row is one interval; a rolled-up one carries these sums for the intervals it
+    merged. Every field is additive, so moments of coarser groups are plain sums of these.
     """
 
     server: str

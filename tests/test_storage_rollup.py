@@ -13,12 +13,11 @@ import pytest
 
 from policies import Buckets
 from storage import ObservationRecord, ServerSeen, Storage
+from tests.test_daemon import A as SRV
+from tests.test_daemon import FakeClock, FakeServer, make_daemon, tick
 from tuner.config import TunerConfig
 from tuner.errors import ConfigError, StorageError
 from tuner.report import build_report
-
-from tests.test_daemon import A as SRV
-from tests.test_daemon import FakeClock, FakeServer, make_daemon, tick
 
 A, B = "10.0.0.1:30000", "10.0.0.2:30000"
 HOUR = 3600.0
@@ -215,17 +214,17 @@ def test_warm_start_after_rollup_replays_the_same_totals(db_url):
 # --- migration (a file written with schema v1) ---------------------------------------------------
 
 V1_DDL = (
-    "CREATE TABLE schema_version (id INTEGER NOT NULL, version INTEGER NOT NULL, "
-    "created_at FLOAT NOT NULL, PRIMARY KEY (id))",
-    "CREATE TABLE servers (id INTEGER NOT NULL, address VARCHAR(255) NOT NULL, "
-    "arms_json TEXT NOT NULL, first_seen FLOAT NOT NULL, last_seen FLOAT NOT NULL, "
-    "started_at FLOAT, start_times_json TEXT NOT NULL, pool VARCHAR(255), PRIMARY KEY (id), "
-    "UNIQUE (address))",
-    "CREATE TABLE observations (id INTEGER NOT NULL, server_id INTEGER NOT NULL, "
-    "ts FLOAT NOT NULL, b INTEGER NOT NULL, k INTEGER NOT NULL, decode_steps BIGINT NOT NULL, "
-    "emitted_tokens BIGINT NOT NULL, accepted_drafts BIGINT NOT NULL, "
-    "drafted_tokens BIGINT NOT NULL, busy_s FLOAT NOT NULL, PRIMARY KEY (id), "
-    "FOREIGN KEY(server_id) REFERENCES servers (id) ON DELETE CASCADE)",
+    ("CREATE TABLE schema_version (id INTEGER NOT NULL, version INTEGER NOT NULL, "
+     "created_at FLOAT NOT NULL, PRIMARY KEY (id))"),
+    ("CREATE TABLE servers (id INTEGER NOT NULL, address VARCHAR(255) NOT NULL, "
+     "arms_json TEXT NOT NULL, first_seen FLOAT NOT NULL, last_seen FLOAT NOT NULL, "
+     "started_at FLOAT, start_times_json TEXT NOT NULL, pool VARCHAR(255), PRIMARY KEY (id), "
+     "UNIQUE (address))"),
+    ("CREATE TABLE observations (id INTEGER NOT NULL, server_id INTEGER NOT NULL, "
+     "ts FLOAT NOT NULL, b INTEGER NOT NULL, k INTEGER NOT NULL, decode_steps BIGINT NOT NULL, "
+     "emitted_tokens BIGINT NOT NULL, accepted_drafts BIGINT NOT NULL, "
+     "drafted_tokens BIGINT NOT NULL, busy_s FLOAT NOT NULL, PRIMARY KEY (id), "
+     "FOREIGN KEY(server_id) REFERENCES servers (id) ON DELETE CASCADE)"),
     "CREATE INDEX ix_observations_server_ts ON observations (server_id, ts)",
 )
 
@@ -334,3 +333,23 @@ def test_daemon_rolls_up_on_schedule_and_survives_a_failing_rollup(tmp_path, cap
     off.run_once()
     assert off.rollups == 0
     off.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--rollup-after", "soon"], "--rollup-after 'soon': 'soon': expected a duration"),
+        (["--rollup-after", "10m"], "rollup after (600 s) must be >= 1 h"),
+        (["--rollup-bin", "off"], "--rollup-bin 'off': a duration is needed"),
+        (["--rollup-after", "1h", "--rollup-bin", "2h"], "and >= the rollup bin (7200 s)"),
+    ],
+)
+def test_run_rollup_flags_exit_2_with_one_line(capsys, argv, needle):
+    from tuner.cli import main
+
+    try:
+        rc = main(["run", *argv])
+    except SystemExit as exc:
+        rc = int(exc.code)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and needle in err and len(err.splitlines()) == 1
