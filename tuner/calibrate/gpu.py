@@ -84,14 +84,21 @@ class ForwardOptions:
     # True: the draft layer's QKV projection reads [norm(embedding), norm(hidden)] (2 * hidden),
     # as EAGLE-3's midlayer does. False: a plain decoder layer over the projected hidden state.
     eagle3_qkv: bool = False
+    # The draft's own weight layout and projection fusion; None: the same as the target's.
+    # The draft runs a few small GEMMs (M = b * q tokens) where cuBLAS's kernel choice per
+    # layout moves a cell by up to ~20 %, so it is set apart from the target's.
+    draft_weight_layout: str | None = None
+    draft_fused: bool | None = None
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_MODES:
             raise ValueError(
                 f"attention must be one of {', '.join(ATTENTION_MODES)}, got {self.attention!r}"
             )
-        if self.weight_layout not in ("out_in", "in_out"):
-            raise ValueError(f"weight_layout must be out_in or in_out, got {self.weight_layout!r}")
+        for name in ("weight_layout", "draft_weight_layout"):
+            value = getattr(self, name)
+            if value not in ("out_in", "in_out") and (name == "weight_layout" or value is not None):
+                raise ValueError(f"{name} must be out_in or in_out, got {value!r}")
         if self.sdpa_backend not in (None, *SDPA_BACKENDS):
             raise ValueError(
                 f"sdpa_backend must be one of {', '.join(SDPA_BACKENDS)} or None, "
@@ -111,7 +118,21 @@ class ForwardOptions:
             parts.append(f"sdpa={self.sdpa_backend}")
         if self.eagle3_qkv:
             parts.append("draft-qkv=2x")
+        if self.draft_layout != self.weight_layout:
+            parts.append(f"draft-weights={self.draft_layout}")
+        if self.draft_fusion != self.fused:
+            parts.append(f"draft-fused={'on' if self.draft_fusion else 'off'}")
         return ",".join(parts)
+
+    @property
+    def draft_layout(self) -> str:
+        """The weight layout the draft's projections use."""
+        return self.draft_weight_layout or self.weight_layout
+
+    @property
+    def draft_fusion(self) -> bool:
+        """Whether the draft layer's QKV and gate-up projections are fused."""
+        return self.fused if self.draft_fused is None else self.draft_fused
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,44 +202,48 @@ class _Decoder:
         def w(*dims: int) -> Any:
             return torch.empty(dims, dtype=dtype, device=dev).normal_(0.0, _INIT_STD, generator=gen)
 
-        def proj(out_f: int, in_f: int) -> Any:
+        def proj(out_f: int, in_f: int, layout: str = opts.weight_layout) -> Any:
             # "out_in": [out, in], used as F.linear(x, W) (cuBLAS "TN"); "in_out": [in, out],
             # used as x @ W ("NN"). cuBLAS picks kernels per layout, so cells can differ.
-            return w(out_f, in_f) if opts.weight_layout == "out_in" else w(in_f, out_f)
+            return w(out_f, in_f) if layout == "out_in" else w(in_f, out_f)
 
         def ones(n: int) -> Any:
             return torch.ones(n, dtype=dtype, device=dev)
 
         nq, nkv = s.heads * s.head_dim, s.kv_heads * s.head_dim
 
-        def layer(qkv_in: int) -> dict[str, Any]:
+        def layer(qkv_in: int, layout: str, fused: bool) -> dict[str, Any]:
+            # "layout" and "fused" travel with the layer: the draft's may differ from the target's.
             L = {
+                "layout": layout,
+                "fused": fused,
                 "ln1": ones(s.hidden),
-                "wo": proj(s.hidden, nq),
+                "wo": proj(s.hidden, nq, layout),
                 "ln2": ones(s.hidden),
-                "wd": proj(s.hidden, s.inter),
+                "wd": proj(s.hidden, s.inter, layout),
             }
-            if opts.fused:
-                L["wqkv"] = proj(s.qkv_out, qkv_in)
+            if fused:
+                L["wqkv"] = proj(s.qkv_out, qkv_in, layout)
                 L["bqkv"] = w(s.qkv_out) if s.qkv_bias else None
-                L["wgu"] = proj(2 * s.inter, s.hidden)
+                L["wgu"] = proj(2 * s.inter, s.hidden, layout)
             else:
                 for name, n in (("q", nq), ("k", nkv), ("v", nkv)):
-                    L[f"w{name}"] = proj(n, qkv_in)
+                    L[f"w{name}"] = proj(n, qkv_in, layout)
                     L[f"b{name}"] = w(n) if s.qkv_bias else None
-                L["wg"] = proj(s.inter, s.hidden)
-                L["wu"] = proj(s.inter, s.hidden)
+                L["wg"] = proj(s.inter, s.hidden, layout)
+                L["wu"] = proj(s.inter, s.hidden, layout)
             return L
 
         self.embed = w(s.vocab, s.hidden)
-        self.layers = [layer(s.hidden) for _ in range(s.layers)]
+        self.layers = [layer(s.hidden, opts.weight_layout, opts.fused) for _ in range(s.layers)]
         self.norm = ones(s.hidden)
         self.lm_head = proj(s.vocab, s.hidden)
-        self.d_fc = proj(s.hidden, 3 * s.hidden)
-        self.d_layer = layer(2 * s.hidden if opts.eagle3_qkv else s.hidden)
+        dl = opts.draft_layout
+        self.d_fc = proj(s.hidden, 3 * s.hidden, dl)
+        self.d_layer = layer(2 * s.hidden if opts.eagle3_qkv else s.hidden, dl, opts.draft_fusion)
         self.d_hnorm = ones(s.hidden)
         self.d_norm = ones(s.hidden)
-        self.d_head = proj(s.draft_vocab, s.hidden)
+        self.d_head = proj(s.draft_vocab, s.hidden, dl)
         half = s.head_dim // 2
         self.inv_freq = 1.0 / (
             _ROPE_THETA ** (torch.arange(0, half, device=dev, dtype=torch.float32) / half)
@@ -293,8 +318,9 @@ class _Decoder:
         s = self.shape
         d, kvh, g = s.head_dim, s.kv_heads, s.group
         m = h.shape[0]
-        if self.opts.fused:
-            qkv = self._lin(h, L["wqkv"], L["bqkv"])  # [M, (heads + 2 kvh) d]
+        lay = L["layout"]
+        if L["fused"]:
+            qkv = self._lin(h, L["wqkv"], L["bqkv"], lay)  # [M, (heads + 2 kvh) d]
             nqk = (s.heads + kvh) * d
             qk = qkv[:, :nqk].view(m, s.heads + kvh, d)
             if self.opts.rope:
@@ -302,9 +328,9 @@ class _Decoder:
             xq, xk = qk[:, : s.heads], qk[:, s.heads :]
             xv = qkv[:, nqk:].view(m, kvh, d)
         else:
-            xq = self._lin(h, L["wq"], L["bq"]).view(m, s.heads, d)
-            xk = self._lin(h, L["wk"], L["bk"]).view(m, kvh, d)
-            xv = self._lin(h, L["wv"], L["bv"]).view(m, kvh, d)
+            xq = self._lin(h, L["wq"], L["bq"], lay).view(m, s.heads, d)
+            xk = self._lin(h, L["wk"], L["bk"], lay).view(m, kvh, d)
+            xv = self._lin(h, L["wv"], L["bv"], lay).view(m, kvh, d)
             if self.opts.rope:
                 xq, xk = self._rope(xq, inp["rope"]), self._rope(xk, inp["rope"])
         kc, vc = kv
@@ -337,15 +363,15 @@ class _Decoder:
             return self.F.scaled_dot_product_attention(q, k, v, **kw)
 
     def _mlp(self, h: Any, L: dict[str, Any]) -> Any:
-        F = self.F
-        if self.opts.fused:
-            gate, up = self._lin(h, L["wgu"]).chunk(2, dim=-1)
+        F, lay = self.F, L["layout"]
+        if L["fused"]:
+            gate, up = self._lin(h, L["wgu"], None, lay).chunk(2, dim=-1)
         else:
-            gate, up = self._lin(h, L["wg"]), self._lin(h, L["wu"])
-        return self._lin(F.silu(gate) * up, L["wd"])
+            gate, up = self._lin(h, L["wg"], None, lay), self._lin(h, L["wu"], None, lay)
+        return self._lin(F.silu(gate) * up, L["wd"], None, lay)
 
-    def _lin(self, x: Any, weight: Any, bias: Any = None) -> Any:
-        if self.opts.weight_layout == "out_in":
+    def _lin(self, x: Any, weight: Any, bias: Any = None, layout: str | None = None) -> Any:
+        if (layout or self.opts.weight_layout) == "out_in":
             return self.F.linear(x, weight, bias)
         return x @ weight if bias is None else self.t.addmm(bias, x, weight)
 
@@ -355,7 +381,7 @@ class _Decoder:
     def _layer(self, x: Any, L: dict[str, Any], kv: tuple[Any, Any], b: int, q: int, ctx: int,
                inp: dict[str, Any], attn_in: Any = None) -> Any:
         h = self._norm(x, L["ln1"]) if attn_in is None else attn_in
-        x = x + self._lin(self._attention(h, L, kv, b, q, ctx, inp), L["wo"])
+        x = x + self._lin(self._attention(h, L, kv, b, q, ctx, inp), L["wo"], None, L["layout"])
         return x + self._mlp(self._norm(x, L["ln2"]), L)
 
     # -- the two forwards ------------------------------------------------------------------
@@ -367,7 +393,8 @@ class _Decoder:
         return self._lin(self._norm(x, self.norm), self.lm_head)
 
     def draft(self, state: dict[str, Any], inp: dict[str, Any], b: int, q: int, ctx: int) -> Any:
-        x = self._lin(inp["hidden3"], self.d_fc)  # fused 3 * hidden -> hidden
+        dl = self.opts.draft_layout
+        x = self._lin(inp["hidden3"], self.d_fc, None, dl)  # fused 3 * hidden -> hidden
         attn_in = None
         if self.opts.eagle3_qkv:
             e = self.F.embedding(inp["ids"], self.embed)
@@ -375,7 +402,7 @@ class _Decoder:
                 [self._norm(e, self.d_layer["ln1"]), self._norm(x, self.d_hnorm)], dim=-1
             )
         x = self._layer(x, self.d_layer, state["d_kv"], b, q, ctx, inp, attn_in)
-        return self._lin(self._norm(x, self.d_norm), self.d_head)
+        return self._lin(self._norm(x, self.d_norm), self.d_head, None, dl)
 
 
 # --- timing -----------------------------------------------------------------------------------
@@ -448,8 +475,14 @@ def measure(
     *,
     options: ForwardOptions | None = None,
     progress: Callable[[Progress], None] | None = None,
+    draft_first: bool = False,
 ) -> CalibrationResult:
     """Time the grid on the current CUDA device.
+
+    ``draft_first`` times each point's draft before its target rather than right after it.
+    Timed right after the target's replays, the draft runs on a GPU the target has heated and
+    reads 5-20 % slower at b >= 32 (on an H200; see benchmarks/results/h200-llama8b-draft-*);
+    off by default until a full run confirms the order against the shipped table.
 
     Stops cleanly, keeping every finished point, when the device runs out of memory at a batch
     size (``stopped`` says where and why) or on Ctrl-C (``interrupted``).
@@ -478,6 +511,8 @@ def measure(
         "cooldown_s": [settings.point_cooldown_s, settings.batch_cooldown_s],
         "forward": opts.describe(),
     }
+    if draft_first:
+        info["draft_first"] = True
     weight_bytes = (shape.target_params() + shape.draft_params() + shape.vocab * shape.hidden)
     weight_bytes *= settings.dtype_bytes
     free, total = torch.cuda.mem_get_info()
@@ -523,22 +558,18 @@ def measure(
                         pause += settings.batch_cooldown_s
                     if pause > 0:
                         time.sleep(pause)
-                    t_ms = _graph_ms(
-                        torch,
-                        partial(model.target, state, inp, b, q, settings.ctx),
-                        warmup=settings.warmup,
-                        replays=settings.replays,
-                        rounds=settings.rounds,
-                        warm_ms=_FIRST_WARM_MS if first else _MIN_WARM_MS,
-                    )
-                    first = False
-                    d_ms = _graph_ms(
-                        torch,
-                        partial(model.draft, state, inp, b, q, settings.ctx),
-                        warmup=settings.warmup,
-                        replays=settings.replays,
-                        rounds=settings.rounds,
-                    )
+                    timed = {}
+                    for which in ("draft", "target") if draft_first else ("target", "draft"):
+                        timed[which] = _graph_ms(
+                            torch,
+                            partial(getattr(model, which), state, inp, b, q, settings.ctx),
+                            warmup=settings.warmup,
+                            replays=settings.replays,
+                            rounds=settings.rounds,
+                            warm_ms=_FIRST_WARM_MS if first else _MIN_WARM_MS,
+                        )
+                        first = False
+                    t_ms, d_ms = timed["target"], timed["draft"]
                     row = CostRow(b=b, q=q, target_ms=t_ms, draft_ms=d_ms)
                     rows.append(row)
                     done += 1
