@@ -119,3 +119,17 @@ def test_sigterm_leaves_the_greedy_table_flushes_and_exits_0(tmp_path):
         assert [e.kind for e in st.events(kinds=["start", "stop"])] == ["start", "stop"]
         assert st.count_observations() > 0
     assert "left on v" in out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--help"]]
+    + [[c, "--help"] for c in
+       ("run", "sim", "bench", "sweep", "report", "export", "sglang-args", "calibrate")],
+)
+def test_every_help_page_renders(argv, capsys):
+    # argparse %-formats help strings: a stray "%" breaks the page only when it is shown.
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 0
+    assert "usage: dynspec-tuner" in capsys.readouterr().out

@@ -713,7 +713,7 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "report",
-        help="what was learned: goodput per bucket and arm with 95% intervals, decisions, history",
+        help="what was learned: goodput per bucket and arm with 95%% intervals, decisions, history",
         description=(
             "Per server and batch-size bucket: each arm's goodput with a 95% interval and its "
             "sample counts, the chosen arm (from the table in effect; the best arm by the data "
