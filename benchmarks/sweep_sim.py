@@ -11,10 +11,13 @@ for the full window) in the same run and prints the wall-time ratio.
 
 Keep ``--speed`` moderate: the client's own turnaround per request (milliseconds of Python on
 a shared box) is multiplied by the speed-up in simulated time and starts to favour the arm
-with the longest requests; 8x with 256-token requests keeps it to a few percent.
+with the longest requests; 8x with 256-token requests keeps it to a few percent. A fast
+profile needs fewer requests per second: the sweep flags a level whose server-side decode
+batch falls short of the concurrency.
 
     .venv/bin/python benchmarks/sweep_sim.py [--profile seed-kimi-pcie] [--speed 8]
         [--per-level 15] [--max-tokens 256] [--baseline]
+    .venv/bin/python benchmarks/sweep_sim.py --profile h200-llama8b --speed 6 --max-tokens 2048
 """
 
 from __future__ import annotations
