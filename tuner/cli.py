@@ -1050,8 +1050,10 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("simulation (no GPU, no server needed)")
     g.add_argument("--simulate", action="store_true",
                    help="sweep the built-in simulator on a free loopback port")
-    g.add_argument("--profile", metavar="NAME|FILE", default=c.DEFAULT_SIM_PROFILE,
-                   help=f"cost profile (default {c.DEFAULT_SIM_PROFILE})")
+    g.add_argument("--profile", metavar="NAME|FILE", default="seed-kimi-pcie",
+                   help="cost profile (default seed-kimi-pcie: the PCIe box where speculation "
+                   "loses at load; a fast profile such as h200-llama8b needs --speed 6 "
+                   "--max-tokens 2048 for this client to keep up)")
     g.add_argument("--workload", metavar="W", default=c.DEFAULT_SIM_WORKLOAD,
                    help=f"default {c.DEFAULT_SIM_WORKLOAD}")
     g.add_argument("--speed", type=float, default=8.0, metavar="X",
