@@ -227,7 +227,7 @@ class SimServer:
         if self._httpd is not None:
             return self
         handler = _make_handler(self)
-        self._httpd = ThreadingHTTPServer((self.host, self._req_port), handler)
+        self._httpd = _Listener((self.host, self._req_port), handler)
         self._httpd.daemon_threads = True
         self._stop.clear()
         self._anchor_real = self._clock()
@@ -795,6 +795,12 @@ def _prometheus(server: SimServer) -> str:
         [("", c.request_steps)],
     )
     return "\n".join(lines) + "\n"
+
+
+class _Listener(ThreadingHTTPServer):
+    # The default backlog of 5 resets connections when a load generator opens a hundred at
+    # once, as a real server's accept queue would not.
+    request_queue_size = 2048
 
 
 def _make_handler(server: SimServer) -> type[BaseHTTPRequestHandler]:
