@@ -70,8 +70,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
             "Read each server's per-(batch size, arm) telemetry every interval, learn which "
             "draft depth gives the most goodput per batch-size bucket, push a table every "
             "decision period, and record everything in the history database. On SIGTERM or "
-            "Ctrl-C each server is left on its greedy table. Every flag also reads a "
-            "DYNSPEC_* environment variable (a flag wins)."
+            "Ctrl-C each server is left on its greedy table. The tuning flags (not --metrics-* "
+            "or the simulation ones) also read DYNSPEC_* environment variables (a flag wins)."
         ),
     )
     p.add_argument(
@@ -863,7 +863,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         description=(
             "Runs every (profile, workload, policy) under one load schedule on the "
             "simulator's engine, driven as the daemon drives a server, and prints per load "
-            "phase the %% of the oracle's goodput (after warm-up / including it), tokens lost "
+            "phase the % of the oracle's goodput (after warm-up / including it), tokens lost "
             "to exploration, table switches, convergence and p50/p99 time per output token, "
             "then the targets. Deterministic for a seed. 'shift' = chat -> code -> hard over "
             "the schedule. A policy may carry parameters: 'threshold:max_batch=8', "
