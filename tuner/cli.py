@@ -965,7 +965,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     console.print(f"\ntargets for the default policy ({DEFAULT_POLICY}, marked *):",
                   markup=False)
     for c in result.checks:
-        console.print(f"  [{'PASS' if c.ok else 'FAIL'}] {c.target}: {c.detail}",
+        verdict = "n/a" if c.ok is None else "PASS" if c.ok else "FAIL"
+        console.print(f"  [{verdict}] {c.target}: {c.detail}",
                       markup=False, soft_wrap=True)
     console.print(f"{len(result.runs)} runs in {result.wall_s:.0f} s wall", markup=False)
     if args.json is not None:
