@@ -249,6 +249,9 @@ def test_dry_run_learns_and_records_but_never_pushes(tmp_path):
     assert d.policy_of(A).fed
     (v,) = d.storage.policy_versions()
     assert v.outcome == "dry_run" and v.table == ((None, 0),)
+    # The decision took a version of its own; the server still runs the one it reported.
+    st = d.status().servers[0]
+    assert st.version == v.version and st.server_version == srv.cores[0].version < v.version
 
 
 def test_server_down_at_start_backs_off_warns_once_and_recovers(tmp_path, caplog):

@@ -237,8 +237,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         status = view.last
         for st in status.servers if status is not None else ():
             greedy = st.snapshot.buckets.table(st.snapshot.chosen) if st.snapshot else None
+            left = st.server_version if st.server_version is not None else st.version
             console.print(
-                f"{st.address}: left on v{st.version} "
+                f"{st.address}: left on v{left} "
                 f"{_fmt_table(st.server_table)}; greedy {_fmt_table(greedy)}; "
                 f"{st.pushes} pushes",
                 markup=False,

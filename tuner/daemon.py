@@ -122,6 +122,9 @@ class ServerStatus:
     errors: int = 0  # failed readings and pushes (every one, though each streak logs once)
     read_only: bool = False  # another tuner pushes to this server: observe, never push
     pooled: int = 0  # pool-mates' observations fed to the policy
+    # The version the server itself runs (last read or applied); ``version`` also counts
+    # decisions a dry run only recorded.
+    server_version: int | None = None
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,7 @@ class _Server:
     prev: list[DynspecState] | None = None
     version: int = 0  # highest version known to be used (ours, the server's, the history's)
     server_table: Table | None = None
+    server_version: int | None = None  # as last read or applied
     desired: Table | None = None  # what we want the server to run (re-pushed after restarts)
     needs_push: bool = False
     last_decision: float | None = None
@@ -598,6 +602,7 @@ class Daemon:
         observations = self._deltas(srv, states, now)
         srv.prev = states
         server_version = max(s.policy_version for s in states)
+        srv.server_version = server_version
         if first or srv.restarts != restarts:
             # Whatever the server runs now (its default, a table installed at start) is the
             # baseline; only versions above it and above ours are someone else's.
@@ -894,6 +899,7 @@ class Daemon:
             srv.sent_version = max(srv.sent_version, version)
         if all(reply):
             srv.server_table = table
+            srv.server_version = version
             srv.needs_push = False
             srv.rejected_table = None
             srv.pushes += 1
@@ -1104,6 +1110,7 @@ class Daemon:
                     errors=srv.errors,
                     read_only=srv.read_only,
                     pooled=srv.policy.pooled if isinstance(srv.policy, _PoolPolicy) else 0,
+                    server_version=srv.server_version,
                 )
             )
             srv.status = servers[-1]
