@@ -35,7 +35,10 @@ from tuner.sim.oracle import expected_goodput
 from tuner.sim.profiles import load_profile
 from tuner.sim.workloads import CLASSES, LengthDist, Phase, RequestClass, Workload
 
-SHARED_TABLE = Path("/work/shared/calibration/h200-llama8b-bf16-ctx1024.jsonl")
+SHARED_TABLE = (
+    Path(__file__).resolve().parents[2] / "shared" / "calibration"
+    / "h200-llama8b-bf16-ctx1024.jsonl"
+)
 SEED_TARGETS = {"eagle3_1_request": 96.0, "eagle3_64_running": 354.0, "no_spec_64_running": 773.0}
 EAGLE3_SGLANG_ROW = {
     2: 1.81,

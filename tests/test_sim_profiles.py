@@ -19,7 +19,11 @@ from tuner.sim.profiles import (
 
 SHIPPED_TABLE = resources.files("tuner.sim").joinpath("profiles", "h200-llama8b.jsonl")
 # The measurement the shipped table was copied from (present in the project's workspace).
-CALIBRATION = Path("/work/shared/calibration/h200-llama8b-bf16-ctx1024.jsonl")
+# The measured table the shipped profile was copied from, where a checkout has it beside it.
+CALIBRATION = (
+    Path(__file__).resolve().parents[2] / "shared" / "calibration"
+    / "h200-llama8b-bf16-ctx1024.jsonl"
+)
 
 
 def _cost_rows(text: str) -> list[dict]:
