@@ -10,6 +10,7 @@ proposed per bucket, its dwell, the random generator) depends on calls to ``prop
 
 from __future__ import annotations
 
+import abc
 import math
 import random
 from collections.abc import Iterable
@@ -389,9 +390,9 @@ class LearningPolicy(BasePolicy):
             chosen.append(arm)
         return self.buckets.table(chosen)
 
+    @abc.abstractmethod
     def _explore(self, j: int, greedy: int) -> int:
         """The arm to run in bucket ``j`` (may be ``greedy``). Called only with traffic."""
-        raise NotImplementedError
 
     # --- reporting ------------------------------------------------------------------------
 
