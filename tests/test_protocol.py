@@ -15,6 +15,7 @@ from tuner.protocol import (
     DynspecState,
     ProtocolError,
     TableIndex,
+    counter_deltas,
     decode_update,
     encode_update,
     format_table,
@@ -240,3 +241,22 @@ def test_state_missing_field_is_named(field):
 def test_state_must_be_an_object():
     with pytest.raises(ProtocolError, match="must be an object"):
         DynspecState.from_json([1, 2])
+
+
+def test_counter_deltas_between_two_readings():
+    before = (CounterRow(4, 3, 10, 100, 60, 120, 0.5), CounterRow(8, 1, 5, 60, 20, 40, 0.2))
+    after = (
+        CounterRow(4, 3, 15, 150, 90, 180, 0.75),
+        CounterRow(8, 1, 5, 60, 20, 40, 0.2),  # no new steps: left out
+        CounterRow(16, 0, 2, 32, 0, 0, 0.1),  # first seen: all of it is new
+    )
+    assert counter_deltas(before, after) == (
+        CounterRow(4, 3, 5, 50, 30, 60, 0.25),
+        CounterRow(16, 0, 2, 32, 0, 0, 0.1),
+    )
+
+
+def test_counter_deltas_refuse_a_restart():
+    before = (CounterRow(4, 3, 10, 100, 60, 120, 0.5),)
+    assert counter_deltas(before, (CounterRow(4, 3, 2, 20, 12, 24, 0.1),)) is None
+    assert counter_deltas(before, ()) is None  # a row vanished

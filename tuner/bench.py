@@ -35,7 +35,7 @@ from typing import Any
 from policies import DEFAULT_POLICY, BasePolicy, Buckets, Observation, make_policy
 from tuner.errors import ConfigError
 from tuner.plugin.core import PluginCore
-from tuner.protocol import CounterRow, Table, encode_update, lookup
+from tuner.protocol import CounterRow, Table, counter_deltas, encode_update, lookup
 from tuner.sim.engine import Engine
 from tuner.sim.load import ClosedLoop, parse_load
 from tuner.sim.oracle import expected_goodput, workload_emitted
@@ -506,7 +506,7 @@ def run_one(
     if pol is not None:
         push(pol.propose())
         greedy_table = pol.greedy()
-    prev: dict[tuple[int, int], CounterRow] = {}
+    prev: tuple[CounterRow, ...] = ()
     t = 0.0
     next_decision = decision_period_s
     tick = 0
@@ -522,19 +522,11 @@ def run_one(
         rows = core.state().counters
         obs: list[Observation] = []
         per_bucket: dict[int, list[tuple[int, float]]] = {}
-        for row in rows:
-            old = prev.get((row.b, row.k))
-            steps = row.decode_steps - (old.decode_steps if old else 0)
-            if steps <= 0:
-                continue
-            busy = row.busy_s - (old.busy_s if old else 0.0)
-            emitted = row.emitted_tokens - (old.emitted_tokens if old else 0)
-            o = Observation(
-                row.b, row.k, steps, emitted,
-                row.accepted_drafts - (old.accepted_drafts if old else 0),
-                row.drafted_tokens - (old.drafted_tokens if old else 0), busy,
-            )
-            obs.append(o)
+        # The engine never restarts, so its counters never go backwards.
+        for row in counter_deltas(prev, rows) or ():
+            steps, busy, emitted = row.decode_steps, row.busy_s, row.emitted_tokens
+            obs.append(Observation(row.b, row.k, steps, emitted, row.accepted_drafts,
+                                   row.drafted_tokens, busy))
             g_run, g_best = good(row.b, row.k, mix, mid), best(row.b, mix, mid)
             acc.busy += busy
             acc.got += busy * g_run
@@ -551,7 +543,7 @@ def run_one(
             per_bucket.setdefault(buckets.index(row.b), []).append((row.b, busy))
             track = tracks[buckets.index(row.b)]
             track.steps += steps
-        prev = {(r.b, r.k): r for r in rows}
+        prev = rows
         if pol is not None:
             for o in obs:
                 pol.update(o)

@@ -56,7 +56,15 @@ from tuner.errors import (
     ServerUnavailableError,
     StorageError,
 )
-from tuner.protocol import DynspecState, ProtocolError, Table, format_table, validate_table
+from tuner.protocol import (
+    CounterRow,
+    DynspecState,
+    ProtocolError,
+    Table,
+    counter_deltas,
+    format_table,
+    validate_table,
+)
 
 __all__ = [
     "DEFAULT_MAX_BUFFERED_ROWS",
@@ -664,27 +672,14 @@ class Daemon:
                 if s.started_at > p.started_at:
                     # Counters of a restarted server count from zero: all of it is new.
                     for c in s.counters:
-                        _add(merged, c.b, c.k, c.decode_steps, c.emitted_tokens,
-                             c.accepted_drafts, c.drafted_tokens, c.busy_s)
+                        _add(merged, c)
                 continue
-            old = {(c.b, c.k): c for c in p.counters}
-            if len(s.counters) < len(old) or any(
-                _backwards(old.get((c.b, c.k)), c) for c in s.counters
-            ):
+            deltas = counter_deltas(p.counters, s.counters)
+            if deltas is None:
                 self._restart(srv, now, f"replica {i}: counters went backwards")
                 continue
-            for c in s.counters:
-                o = old.get((c.b, c.k))
-                if o is None:
-                    d = (c.decode_steps, c.emitted_tokens, c.accepted_drafts, c.drafted_tokens,
-                         c.busy_s)
-                else:
-                    if c.decode_steps == o.decode_steps:
-                        continue
-                    d = (c.decode_steps - o.decode_steps, c.emitted_tokens - o.emitted_tokens,
-                         c.accepted_drafts - o.accepted_drafts,
-                         c.drafted_tokens - o.drafted_tokens, max(0.0, c.busy_s - o.busy_s))
-                _add(merged, c.b, c.k, *d)
+            for d in deltas:
+                _add(merged, d)
         srv.rejected_seen = [s.updates_rejected for s in states]
         return [
             Observation(b, k, int(v[0]), int(v[1]), int(v[2]), int(v[3]), float(v[4]))
@@ -1140,19 +1135,11 @@ class Daemon:
         raise KeyError(address)
 
 
-def _add(merged: dict[tuple[int, int], list[float]], b: int, k: int, *d: float) -> None:
-    row = merged.setdefault((b, k), [0, 0, 0, 0, 0.0])
-    for i, v in enumerate(d):
-        row[i] += v
-
-
-def _backwards(old: Any, new: Any) -> bool:
-    if old is None:
-        return False
-    return (
-        new.decode_steps < old.decode_steps
-        or new.emitted_tokens < old.emitted_tokens
-        or new.accepted_drafts < old.accepted_drafts
-        or new.drafted_tokens < old.drafted_tokens
-        or new.busy_s < old.busy_s - 1e-9
-    )
+def _add(merged: dict[tuple[int, int], list[float]], c: CounterRow) -> None:
+    """Sum DP replicas' counters of one ``(b, k)``."""
+    row = merged.setdefault((c.b, c.k), [0, 0, 0, 0, 0.0])
+    row[0] += c.decode_steps
+    row[1] += c.emitted_tokens
+    row[2] += c.accepted_drafts
+    row[3] += c.drafted_tokens
+    row[4] += c.busy_s

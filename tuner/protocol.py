@@ -28,6 +28,7 @@ __all__ = [
     "ProtocolError",
     "Table",
     "TableIndex",
+    "counter_deltas",
     "decode_update",
     "encode_update",
     "format_table",
@@ -285,6 +286,43 @@ class CounterRow:
         if ints[0] < 1:
             raise ProtocolError(f"counter batch size must be >= 1: {row!r}")
         return cls(*ints, float(busy))
+
+
+def counter_deltas(
+    before: Iterable[CounterRow], after: Iterable[CounterRow]
+) -> tuple[CounterRow, ...] | None:
+    """What accrued between two readings of one replica's cumulative counters.
+
+    Returns the per-``(b, k)`` differences that contain decode steps, in ``(b, k)`` order, or
+    None when the counters cannot come from the same run (a row vanished or a counter went
+    backwards: the server restarted in between). Busy seconds tolerate float round-off.
+    """
+    old = {(c.b, c.k): c for c in before}
+    new = {(c.b, c.k): c for c in after}
+    if any(key not in new for key in old):
+        return None
+    out = []
+    for key in sorted(new):
+        c, o = new[key], old.get(key)
+        if o is None:
+            d = c
+        else:
+            d = CounterRow(
+                c.b,
+                c.k,
+                c.decode_steps - o.decode_steps,
+                c.emitted_tokens - o.emitted_tokens,
+                c.accepted_drafts - o.accepted_drafts,
+                c.drafted_tokens - o.drafted_tokens,
+                max(c.busy_s - o.busy_s, 0.0),
+            )
+            if min(d.decode_steps, d.emitted_tokens, d.accepted_drafts, d.drafted_tokens) < 0 or (
+                c.busy_s < o.busy_s - 1e-9
+            ):
+                return None
+        if d.decode_steps:
+            out.append(d)
+    return tuple(out)
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,7 @@ from tuner.errors import (
 )
 from tuner.loadgen import ClosedLoop, WindowStats
 from tuner.protocol import CounterRow, Table, format_table, table_to_json, validate_table
+from tuner.protocol import counter_deltas as protocol_counter_deltas
 
 __all__ = [
     "DEFAULT_LEVELS",
@@ -311,27 +312,10 @@ class CounterSnapshot:
 def counter_deltas(before: CounterSnapshot, after: CounterSnapshot) -> list[CounterRow] | None:
     """Per-``(b, k)`` counters accrued between two snapshots (rows with steps only); None if
     the server restarted in between (a new start time, or a counter that went backwards)."""
-    if before.started_at != after.started_at or any(key not in after.rows for key in before.rows):
+    if before.started_at != after.started_at:
         return None
-    out = []
-    for key, row in sorted(after.rows.items()):
-        prev = before.rows.get(key)
-        d = CounterRow(
-            row.b,
-            row.k,
-            row.decode_steps - (prev.decode_steps if prev else 0),
-            row.emitted_tokens - (prev.emitted_tokens if prev else 0),
-            row.accepted_drafts - (prev.accepted_drafts if prev else 0),
-            row.drafted_tokens - (prev.drafted_tokens if prev else 0),
-            max(row.busy_s - (prev.busy_s if prev else 0.0), 0.0),
-        )
-        if min(d.decode_steps, d.emitted_tokens, d.accepted_drafts, d.drafted_tokens) < 0 or (
-            prev is not None and row.busy_s < prev.busy_s - 1e-9
-        ):
-            return None
-        if d.decode_steps:
-            out.append(d)
-    return out
+    deltas = protocol_counter_deltas(before.rows.values(), after.rows.values())
+    return None if deltas is None else list(deltas)
 
 
 @dataclass(frozen=True)
