@@ -201,6 +201,18 @@ def test_h200_table_measured_by_calibrate_loads_unchanged_and_covers_the_referen
     assert prof.batch_sizes == DEFAULT_BATCH_SIZES
 
 
+def test_h200_table_measured_by_calibrate_is_within_10_percent_of_the_reference_everywhere():
+    mine, ref = read_table(MEASURED).as_dict(), read_table(REFERENCE).as_dict()
+    assert read_table(MEASURED).info["draft_timing"] == "before"
+    off = {
+        (point, col): getattr(mine[point], col) / getattr(ref[point], col)
+        for point in ref
+        for col in ("target_ms", "draft_ms")
+        if abs(getattr(mine[point], col) / getattr(ref[point], col) - 1) > 0.10
+    }
+    assert not off
+
+
 # --- the CLI without a GPU ------------------------------------------------------------------
 
 
@@ -220,6 +232,7 @@ def test_cli_refuses_to_measure_without_a_cuda_device(tmp_path: Path, capsys):
         (["--shape", "llama3-8b", "--batch-sizes", "0,4"], "batch sizes must be positive"),
         (["--shape", "llama3-8b", "--server", "h:1"], "--server goes with --from-db"),
         (["--from-db", "sqlite:///x.db"], "--from-db needs --server"),
+        (["--shape", "llama3-8b", "--draft-timing", "during"], "invalid choice: 'during'"),
     ],
 )
 def test_cli_usage_errors_exit_2(tmp_path: Path, capsys, argv, needle):

@@ -464,6 +464,26 @@ def _state_bytes(shape: ModelShape, b: int, ctx: int, max_q: int, dtype_bytes: i
     return kv + 3 * act
 
 
+def _gpu_state() -> dict[str, Any]:
+    """Power limit and clock ceilings, where NVML answers: two GPUs of one name can differ."""
+    try:
+        import pynvml  # nvidia-ml-py; optional
+
+        pynvml.nvmlInit()
+        try:
+            h = pynvml.nvmlDeviceGetHandleByIndex(0)
+            return {
+                "power_limit_w": pynvml.nvmlDeviceGetEnforcedPowerLimit(h) / 1000,
+                "sm_clock_max_mhz": pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM),
+                "mem_clock_max_mhz": pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_MEM),
+                "driver": pynvml.nvmlSystemGetDriverVersion(),
+            }
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - NVML missing or unsupported: the table is still valid
+        return {}
+
+
 def _torch_dtype(torch: Any, name: str) -> Any:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
@@ -475,14 +495,13 @@ def measure(
     *,
     options: ForwardOptions | None = None,
     progress: Callable[[Progress], None] | None = None,
-    draft_first: bool = False,
+    draft_first: bool = True,
 ) -> CalibrationResult:
     """Time the grid on the current CUDA device.
 
-    ``draft_first`` times each point's draft before its target rather than right after it.
-    Timed right after the target's replays, the draft runs on a GPU the target has heated and
-    reads 5-20 % slower at b >= 32 (on an H200; see benchmarks/results/h200-llama8b-draft-*);
-    off by default until a full run confirms the order against the shipped table.
+    ``draft_first`` (the default) times each point's draft before its target. Timed right after
+    the target's replays, the draft runs on a GPU the target has just heated and reads 5-20 %
+    slower at b >= 32 on an H200 (benchmarks/results/h200-llama8b-draft-*).
 
     Stops cleanly, keeping every finished point, when the device runs out of memory at a batch
     size (``stopped`` says where and why) or on Ctrl-C (``interrupted``).
@@ -511,8 +530,8 @@ def measure(
         "cooldown_s": [settings.point_cooldown_s, settings.batch_cooldown_s],
         "forward": opts.describe(),
     }
-    if draft_first:
-        info["draft_first"] = True
+    info["draft_timing"] = "before" if draft_first else "after"
+    info.update(_gpu_state())
     weight_bytes = (shape.target_params() + shape.draft_params() + shape.vocab * shape.hidden)
     weight_bytes *= settings.dtype_bytes
     free, total = torch.cuda.mem_get_info()
