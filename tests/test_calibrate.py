@@ -232,12 +232,18 @@ def test_cli_refuses_to_measure_without_a_cuda_device(tmp_path: Path, capsys):
         (["--shape", "llama3-8b", "--batch-sizes", "0,4"], "batch sizes must be positive"),
         (["--shape", "llama3-8b", "--server", "h:1"], "--server goes with --from-db"),
         (["--from-db", "sqlite:///x.db"], "--from-db needs --server"),
-        (["--shape", "llama3-8b", "--draft-timing", "during"], "invalid choice: 'during'"),
     ],
 )
 def test_cli_usage_errors_exit_2(tmp_path: Path, capsys, argv, needle):
     assert main(["calibrate", *argv, "--out", str(tmp_path / "t.jsonl")]) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_draft_timing_takes_before_or_after(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["calibrate", "--shape", "llama3-8b", "--draft-timing", "during", "--out", "x"])
+    assert exc.value.code == 2
+    assert "invalid choice: 'during'" in capsys.readouterr().err
 
 
 def test_shape_and_from_db_are_exclusive(tmp_path: Path):
