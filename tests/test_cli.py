@@ -133,3 +133,13 @@ def test_every_help_page_renders(argv, capsys):
         main(argv)
     assert exc.value.code == 0
     assert "usage: dynspec-tuner" in capsys.readouterr().out
+
+
+def test_building_the_cli_imports_neither_optuna_nor_sqlalchemy():
+    # --help stays fast, and `calibrate --shape` runs where only torch and rich are installed.
+    code = (
+        "import sys, tuner.cli; tuner.cli.build_parser(); "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'optuna', 'sqlalchemy'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

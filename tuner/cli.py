@@ -996,7 +996,6 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
     from pathlib import Path
 
     from tuner import config as c
-    from tuner import sweep as s
     from tuner.loadgen import DEFAULT_MAX_TOKENS, ENDPOINTS
 
     p = sub.add_parser(
@@ -1016,9 +1015,10 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--server", metavar="HOST:PORT", default=None,
                    help=f"the SGLang server (default {c.DEFAULT_SERVER})")
-    p.add_argument("--concurrency", type=_csv_ints, default=s.DEFAULT_LEVELS, metavar="LIST",
+    p.add_argument("--concurrency", type=_csv_ints, default=c.DEFAULT_SWEEP_LEVELS,
+                   metavar="LIST",
                    help="levels, requests in flight (default "
-                   f"{','.join(map(str, s.DEFAULT_LEVELS))})")
+                   f"{','.join(map(str, c.DEFAULT_SWEEP_LEVELS))})")
     p.add_argument("--arms", type=_csv_ints, default=None, metavar="K,K,...",
                    help="arms to compare (default: every arm the server built)")
     p.add_argument("--prompts", type=Path, metavar="FILE.jsonl",
@@ -1030,13 +1030,13 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="completions",
                    help="completions = /v1/completions (default), generate = /generate")
     p.add_argument("--model", default="default", help="the 'model' field of /v1/completions")
-    p.add_argument("--per-level", type=float, default=s.DEFAULT_PER_LEVEL_S, metavar="S",
+    p.add_argument("--per-level", type=float, default=c.DEFAULT_SWEEP_PER_LEVEL_S, metavar="S",
                    help="longest measured window per (level, arm), seconds, warm-up excluded "
-                   f"(default {s.DEFAULT_PER_LEVEL_S:g}; windows that are precise or clearly "
-                   "behind stop sooner)")
-    p.add_argument("--warmup", type=float, default=s.DEFAULT_WARMUP_S, metavar="S",
+                   f"(default {c.DEFAULT_SWEEP_PER_LEVEL_S:g}; windows that are precise or "
+                   "clearly behind stop sooner)")
+    p.add_argument("--warmup", type=float, default=c.DEFAULT_SWEEP_WARMUP_S, metavar="S",
                    help="load after each switch before measuring, once every earlier request "
-                   f"has finished (default {s.DEFAULT_WARMUP_S:g})")
+                   f"has finished (default {c.DEFAULT_SWEEP_WARMUP_S:g})")
     p.add_argument("--trials", type=int, default=None, metavar="N",
                    help="at most N measured windows in the study (resumed ones count)")
     p.add_argument("--exhaustive", action="store_true",

@@ -85,6 +85,15 @@ DEFAULT_SIM_MAX_RUNNING = 256
 # A simulated run keeps its own history, apart from real servers'.
 DEFAULT_SIM_DB_URL = "sqlite:///dynspec-sim.db"
 
+# `sweep` (here so that building the CLI's help does not import Optuna).
+DEFAULT_SWEEP_LEVELS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+# Longest measured window per cell, seconds (warm-up excluded). The pruner and the precision
+# rule usually stop a window sooner.
+DEFAULT_SWEEP_PER_LEVEL_S = 30.0
+# Seconds of load after the switch (and after every earlier request finished) before the
+# window opens: the new requests' prefills are past.
+DEFAULT_SWEEP_WARMUP_S = 3.0
+
 _POOL_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _HOST_PORT = re.compile(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})$")
 

@@ -45,6 +45,9 @@ from optuna.distributions import BaseDistribution, IntDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from storage import redact_url
+from tuner.config import DEFAULT_SWEEP_LEVELS as DEFAULT_LEVELS
+from tuner.config import DEFAULT_SWEEP_PER_LEVEL_S as DEFAULT_PER_LEVEL_S
+from tuner.config import DEFAULT_SWEEP_WARMUP_S as DEFAULT_WARMUP_S
 from tuner.errors import (
     ConfigError,
     DynspecError,
@@ -89,17 +92,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LEVELS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
-# Longest measured window per cell, seconds (warm-up excluded). The pruner and the precision
-# rule usually stop a window sooner.
-DEFAULT_PER_LEVEL_S = 30.0
 # A window is measured in this many steps; after each one Optuna may prune it.
 DEFAULT_STEPS = 6
 # Steps before any early decision: one step alone says little about the spread.
 DEFAULT_MIN_STEPS = 2
-# Seconds of load after the switch (and after every earlier request finished) before the
-# window opens: the new requests' prefills are past.
-DEFAULT_WARMUP_S = 3.0
 # Two arms within 2 % are as good as each other (the acceptance bar against the oracle).
 DEFAULT_TOLERANCE = 0.02
 # Confidence multiplier on standard errors for every decision (prune, skip, resolve).
