@@ -341,20 +341,34 @@ class _SGLangCore(PluginCore):
 
     def __init__(self, arms: Iterable[int], *, started_at: float, graph_bs: Sequence[int]):
         super().__init__(arms, started_at=started_at)
-        from sglang.srt.speculative.adaptive_spec_params import AdaptiveSpeculativeParams
+        from sglang.srt.speculative import adaptive_spec_params as asp
 
-        self._params = AdaptiveSpeculativeParams(initial_steps=3, cfg_path=None)
+        # SGLang's own class even where our plugin has replaced it (a process that ran
+        # load_plugins()): the replacement subclasses it.
+        cls = asp.AdaptiveSpeculativeParams
+        while cls.__module__ != asp.__name__:
+            cls = cls.__bases__[0]
+        self._params = cls(initial_steps=3, cfg_path=None)
         self._params.set_cuda_graph_bs(list(graph_bs))
+        self._graph_bs = sorted(set(graph_bs))
+
+    def decision_table(self) -> Table:
+        """What the real class would run now, per graph batch size: its 'greedy' table (it
+        has no exploration, so scoring it against its initial table would count every
+        decision it made as exploration)."""
+        rows: list[tuple[int | None, int]] = [(b, self.steps_for_batch(b)) for b in self._graph_bs]
+        rows[-1] = (None, rows[-1][1])
+        return tuple(rows)
 
     def steps_for_batch(self, batch_size: int) -> int:
         k = int(self._params.get_steps_for_batch(batch_size))
         return k if k in self.arms else max(a for a in self.arms if a <= k)
 
     def record_decode(self, b: int, k: int, emitted: int, accepted: int, launch_ts: float,
-                      forward_iter: int) -> None:
+                      forward_iter: int, after_idle_gap: bool = False) -> None:
         per, extra = divmod(int(accepted), max(b, 1))
         self._params.on_verify_complete([per + (1 if i < extra else 0) for i in range(b)], b)
-        super().record_decode(b, k, emitted, accepted, launch_ts, forward_iter)
+        super().record_decode(b, k, emitted, accepted, launch_ts, forward_iter, after_idle_gap)
 
 
 @dataclass
@@ -502,7 +516,10 @@ def run_one(
             raise RuntimeError(f"policy {policy!r} proposed a table the plugin refused: {why}")
         return True
 
-    greedy_table: Table = core.table
+    def observed_table() -> Table:
+        return core.decision_table() if isinstance(core, _SGLangCore) else core.table
+
+    greedy_table: Table = observed_table()
     if pol is not None:
         push(pol.propose())
         greedy_table = pol.greedy()
@@ -549,7 +566,7 @@ def run_one(
                 pol.update(o)
             current = pol.greedy()
         else:
-            current = core.table
+            current = observed_table()
         for j, seen in per_bucket.items():
             _track(tracks[j], mix, seen, current, engine, good, best, mid)
         if pol is not None and t_next >= next_decision - 1e-9:
@@ -559,7 +576,7 @@ def run_one(
                 acc.switches += 1
             greedy_table = pol.greedy()
         elif pol is None:
-            greedy_table = core.table
+            greedy_table = current
         t = t_next
 
     conv = []
@@ -599,7 +616,7 @@ def run_one(
         explore_tokens_lost=lost,
         explore_pct=100.0 * lost / total_tokens if total_tokens > 0 else 0.0,
         switches=switches,
-        final_table=pol.greedy() if pol is not None else core.table,
+        final_table=pol.greedy() if pol is not None else observed_table(),
         notes=pol.snapshot().notes if pol is not None else (),
         wall_s=time.perf_counter() - wall0,
     )
