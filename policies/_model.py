@@ -35,6 +35,7 @@ __all__ = [
     "DEFAULT_ACCEPTANCE_MEMORY_STEPS",
     "DEFAULT_CHAIN_DELTA",
     "DEFAULT_EXPLORE_MIN_PROB",
+    "DEFAULT_EXPLORE_MIN_RATIO",
     "DEFAULT_TIME_MODEL_SD",
     "ModelParams",
     "ModelPolicy",
@@ -63,8 +64,10 @@ DEFAULT_OPTIMISM = 1.0
 DEFAULT_YOUNG_STEPS = 500
 # z-score at which the short acceptance memory overrules the long one (a workload shift).
 DEFAULT_SHIFT_Z = 3.0
-# An arm is explored only with at least this posterior chance of beating the greedy one.
+# An arm is explored only with at least this posterior chance of beating the greedy one ...
 DEFAULT_EXPLORE_MIN_PROB = 0.05
+# ... and only if its expected goodput is at least this share of the greedy arm's.
+DEFAULT_EXPLORE_MIN_RATIO = 2.0 / 3.0
 DEFAULT_ORDER_SLACK = 0.02
 _RIDGE = 1e-4
 # Shift detector: the short acceptance memory (decode steps) and the evidence it needs.
@@ -92,6 +95,8 @@ class ModelParams(LearnerParams):
         shift_z: z-score at which recent acceptance overrules the long memory (a shift).
         explore_min_prob: an arm is explored only with at least this posterior probability
             of beating the greedy arm (0 = whatever the draw says).
+        explore_min_ratio: ... and only if its expected goodput (under the posterior) is at
+            least this share of the greedy arm's (0 = no such bar).
     """
 
     acceptance_memory_request_steps: float = DEFAULT_ACCEPTANCE_MEMORY_REQUEST_STEPS
@@ -106,6 +111,7 @@ class ModelParams(LearnerParams):
     young_steps: int = DEFAULT_YOUNG_STEPS
     shift_z: float = DEFAULT_SHIFT_Z
     explore_min_prob: float = DEFAULT_EXPLORE_MIN_PROB
+    explore_min_ratio: float = DEFAULT_EXPLORE_MIN_RATIO
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -127,6 +133,8 @@ class ModelParams(LearnerParams):
                  "an int >= 0", self.young_steps)
         _require(0 <= self.explore_min_prob < 0.5, "explore_min_prob", "in [0, 0.5)",
                  self.explore_min_prob)
+        _require(0 <= self.explore_min_ratio < 1, "explore_min_ratio", "in [0, 1)",
+                 self.explore_min_ratio)
         _require(0 < self.shift_z <= math.inf, "shift_z", "positive (inf = never)",
                  self.shift_z)
 
@@ -526,21 +534,29 @@ class ModelPolicy(LearningPolicy):
         return arm if arm == greedy or self._plausible(j, arm, greedy) else greedy
 
     def _plausible(self, j: int, arm: int, greedy: int) -> bool:
-        """Whether ``arm`` has at least ``explore_min_prob`` chance of beating ``greedy`` in
-        bucket ``j``. A posterior draw far in an arm's tail buys a whole decision period of
-        it, hundreds of decode steps at small batches: where the model puts an arm 60 %
-        below the greedy one with its widest spread, that dwell costs more than the phase's
-        whole tolerance, for a chance of a few percent."""
+        """Whether a dwell on ``arm`` in bucket ``j`` is worth its price: at least
+        ``explore_min_prob`` chance of beating ``greedy``, and an expected goodput of at
+        least ``explore_min_ratio`` of the greedy arm's.
+
+        A posterior draw far in an arm's tail buys a whole decision period of it, hundreds of
+        decode steps at small batches. An arm never run anywhere has the model's widest
+        spread, so it keeps a few percent of chance even where the model puts it at half the
+        greedy arm's goodput (k = 0 at one request on a code workload): one such dwell costs
+        as much as the phase's whole tolerance. The expected ratio defers it to buckets where
+        it is close, which teach the model as much about it for a fraction of the price.
+        """
         p = self.params
-        if p.explore_min_prob <= 0:
-            return True
         post = self._posterior()[j]
         ai, gi = self.arms.index(arm), self.arms.index(greedy)
+        diff = post[ai, 0] - post[gi, 0]
         sd = math.hypot(post[ai, 1], post[gi, 1])
+        if p.explore_min_ratio > 0 and diff + 0.5 * sd * sd < math.log(p.explore_min_ratio):
+            return False  # E[g_arm / g_greedy] (log-normal) below the bar
+        if p.explore_min_prob <= 0:
+            return True
         if sd <= 0:
-            return post[ai, 0] > post[gi, 0]
-        z = (post[ai, 0] - post[gi, 0]) / sd
-        return 0.5 * math.erfc(-z / math.sqrt(2)) >= p.explore_min_prob
+            return diff > 0
+        return 0.5 * math.erfc(-diff / (sd * math.sqrt(2))) >= p.explore_min_prob
 
     def _sample(self, j: int, greedy: int) -> int:
         """One posterior draw per arm. Acceptance is one quantity for all arms: one draw of
