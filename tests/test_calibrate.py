@@ -178,8 +178,8 @@ def test_written_table_reads_back_and_loads_in_the_simulator(tmp_path: Path):
 @pytest.mark.parametrize(
     ("line", "needle"),
     [
-        ("{oops", "not valid JSON"),
-        ('{"kind": "cost", "b": 1, "q": 1, "target_ms": 5}', "lacks field 'draft_ms'"),
+        ("{oops", "not a JSON object"),
+        ('{"kind": "cost", "b": 1, "q": 1, "target_ms": 5}', "missing field 'draft_ms'"),
         ('{"kind": "cost", "b": 1, "q": 1, "target_ms": -5, "draft_ms": 1}', "target_ms"),
         ('{"kind": "cost", "b": 1, "q": 1, "target_ms": 5, "draft_ms": 1}', "duplicate"),
         ('{"kind": "bogus"}', "unknown row kind"),

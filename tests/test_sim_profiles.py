@@ -160,6 +160,10 @@ def test_a_user_written_parametric_profile(tmp_path):
             r"field 'target_ms' must be a finite",
         ),
         ([{"kind": "info"}], "no cost rows"),
+        (
+            [{"kind": "cots", "b": 1, "q": 1, "target_ms": 2, "draft_ms": 1}],
+            r"bad.jsonl:1: unknown row kind 'cots'",
+        ),
         ([{"kind": "cost", "b": 4, "q": 2, "target_ms": 2, "draft_ms": 1}], "b=4 has no q=1 row"),
         (
             [{"kind": "cost", "b": 1, "q": 1, "target_ms": 2, "draft_ms": 1}] * 2,

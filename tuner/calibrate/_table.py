@@ -25,7 +25,7 @@ from typing import Any
 from tuner._atomic import write_atomic
 from tuner.errors import ConfigError, DynspecError
 
-__all__ = ["CalibrationTable", "CostRow", "read_table", "write_table"]
+__all__ = ["CalibrationTable", "CostRow", "number_field", "parse_table", "read_table", "write_table"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,50 +107,83 @@ def write_table(path: str | os.PathLike[str], info: Mapping[str, Any], rows: Ite
 
 
 def read_table(path: str | os.PathLike[str]) -> CalibrationTable:
-    """Read and validate a calibration table.
+    """Read and validate a calibration table file (see :func:`parse_table`).
 
     Raises:
-        ConfigError: unreadable file, bad JSON, unknown ``kind``, bad or duplicate cost rows;
-            the message names the file and line.
+        ConfigError: unreadable file, or what :func:`parse_table` refuses.
     """
     src = Path(path)
     try:
         text = src.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read calibration table {src}: {exc.strerror or exc}") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read calibration table {src}: {exc}") from exc
+    return parse_table(text, source=str(src))
+
+
+def parse_table(text: str, *, source: str) -> CalibrationTable:
+    """Parse the format; the one reader of it (``calibrate`` and the simulator alike).
+
+    Rows of another ``kind`` are refused rather than skipped: a mistyped ``"cots"`` would
+    otherwise drop a measurement without a word.
+
+    Raises:
+        ConfigError: bad JSON, a missing or unknown ``kind``, a bad, missing or duplicate
+            cost field, or no cost rows; the message names ``source``, the line and the field.
+    """
     info: dict[str, Any] = {}
     rows: dict[tuple[int, int], CostRow] = {}
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
-        where = f"{src}:{lineno}"
+        where = f"{source}:{lineno}"
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"{where}: not valid JSON ({exc.msg})") from exc
+            raise ConfigError(f"{where}: not a JSON object: {exc.msg}") from exc
         if not isinstance(obj, dict):
-            raise ConfigError(f"{where}: expected a JSON object")
+            raise ConfigError(
+                f"{where}: each line must be a JSON object, got {type(obj).__name__}"
+            )
         kind = obj.get("kind")
         if kind == "info":
             info.update({k: v for k, v in obj.items() if k != "kind"})
         elif kind == "cost":
-            try:
-                row = CostRow(
-                    b=obj["b"],
-                    q=obj["q"],
-                    target_ms=obj["target_ms"],
-                    draft_ms=obj["draft_ms"],
-                    source=obj.get("source"),
-                )
-            except KeyError as exc:
-                raise ConfigError(f"{where}: cost row lacks field {exc.args[0]!r}") from exc
-            except ValueError as exc:
-                raise ConfigError(f"{where}: {exc}") from exc
+            origin = obj.get("source")
+            if origin is not None and not isinstance(origin, str):
+                raise ConfigError(f"{where}: field 'source' must be a string, got {origin!r}")
+            row = CostRow(
+                b=number_field(obj, "b", where, integer=True),
+                q=number_field(obj, "q", where, integer=True),
+                target_ms=number_field(obj, "target_ms", where, positive=True),
+                draft_ms=number_field(obj, "draft_ms", where),
+                source=origin,
+            )
             if (row.b, row.q) in rows:
                 raise ConfigError(f"{where}: duplicate cost row for b={row.b}, q={row.q}")
             rows[(row.b, row.q)] = row
+        elif kind is None:
+            raise ConfigError(f'{where}: missing field \'kind\' ("cost" or "info")')
         else:
             raise ConfigError(f"{where}: unknown row kind {kind!r} (expected 'info' or 'cost')")
     if not rows:
-        raise ConfigError(f"{src}: no cost rows")
+        raise ConfigError(f'{source}: no cost rows (kind "cost")')
     return CalibrationTable(info=info, rows=tuple(sorted(rows.values(), key=lambda r: (r.b, r.q))))
+
+
+def number_field(
+    obj: Mapping[str, Any], key: str, where: str, *, integer: bool = False, positive: bool = False
+) -> Any:
+    """``obj[key]`` as a finite number: an integer >= 1 with ``integer``, else a float >= 0
+    (> 0 with ``positive``). ConfigError naming ``where`` and the field otherwise."""
+    if key not in obj:
+        raise ConfigError(f"{where}: missing field {key!r}")
+    v = obj[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ConfigError(f"{where}: field {key!r} must be a finite number, got {v!r}")
+    if integer:
+        if not float(v).is_integer() or v < 1:
+            raise ConfigError(f"{where}: field {key!r} must be an integer >= 1, got {v!r}")
+        return int(v)
+    if v < 0 or (v == 0 and positive):
+        raise ConfigError(f"{where}: field {key!r} must be {'>' if positive else '>='} 0, got {v!r}")
+    return float(v)

@@ -37,6 +37,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from tuner.calibrate._table import number_field, parse_table
 from tuner.errors import ConfigError
 
 __all__ = [
@@ -504,61 +505,16 @@ def _parametric(obj: Mapping[str, Any], *, source: str, default_name: str) -> Pa
     return ParametricProfile(source=source, **kw)
 
 
-def _num(
-    row: Mapping[str, Any], key: str, where: str, *, integer: bool = False, zero_ok: bool = False
-) -> Any:
-    if key not in row:
-        raise ConfigError(f"{where}: missing field {key!r}")
-    v = row[key]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ConfigError(f"{where}: field {key!r} must be a finite number, got {v!r}")
-    if integer:
-        if not float(v).is_integer() or v < 1:
-            raise ConfigError(f"{where}: field {key!r} must be an integer >= 1, got {v!r}")
-        return int(v)
-    if v < 0 or (v == 0 and not zero_ok):
-        raise ConfigError(
-            f"{where}: field {key!r} must be {'>=' if zero_ok else '>'} 0, got {v!r}"
-        )
-    return float(v)
-
-
 def _table(text: str, *, source: str, default_name: str, extrapolate: str) -> TableProfile:
-    info: dict[str, Any] = {}
-    rows: list[tuple[int, int, float, float]] = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{source}:{lineno}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{where}: not a JSON object: {exc.msg}") from exc
-        if not isinstance(row, dict):
-            raise ConfigError(
-                f"{where}: each line must be a JSON object, got {type(row).__name__}"
-            )
-        kind = row.get("kind")
-        if kind == "info":
-            info.update(row)
-        elif kind == "cost":
-            rows.append(
-                (
-                    _num(row, "b", where, integer=True),
-                    _num(row, "q", where, integer=True),
-                    _num(row, "target_ms", where),
-                    _num(row, "draft_ms", where, zero_ok=True),
-                )
-            )
-        elif kind is None:
-            raise ConfigError(f'{where}: missing field \'kind\' ("cost" or "info")')
-        # Other kinds are left for future writers of the format and ignored here.
+    table = parse_table(text, source=source)
+    info = table.info
+    rows = [(r.b, r.q, r.target_ms, r.draft_ms) for r in table.rows]
     max_running = info.get("max_running")
     if max_running is not None:
-        max_running = _num(info, "max_running", f"{source} (info row)", integer=True)
+        max_running = number_field(info, "max_running", f"{source} (info row)", integer=True)
     pmt = info.get("prefill_ms_per_token")
     if pmt is not None:
-        pmt = _num(info, "prefill_ms_per_token", f"{source} (info row)")
+        pmt = number_field(info, "prefill_ms_per_token", f"{source} (info row)", positive=True)
     name = info.get("name", default_name)
     if not isinstance(name, str):
         raise ConfigError(f"{source} (info row): field 'name' must be a string")
