@@ -99,3 +99,16 @@ def test_cli_bench_prints_tables_and_writes_json(tmp_path, capsys):
 def test_cli_bench_bad_policy_exits_2(capsys):
     assert main(["bench", "--policies", "thompson:memory_steps=0"]) == 2
     assert "memory_steps" in capsys.readouterr().err
+
+
+def test_default_policies_include_sglangs_own_class_skipped_with_a_reason_without_sglang():
+    from tuner.bench import DEFAULT_BENCH_POLICIES, SGLANG_REAL, sglang_available
+
+    assert SGLANG_REAL in DEFAULT_BENCH_POLICIES
+    if sglang_available():
+        pytest.skip("sglang is importable here: tests/contract runs sglang-real")
+    cfg = BenchConfig(profiles=("seed-kimi-pcie",), workloads=("chat",), load="20:1",
+                      policies=("model", SGLANG_REAL), jobs=1)
+    res = run_bench(cfg)
+    assert [r.policy for r in res.runs] == ["model"]
+    assert res.skipped == (f"{SGLANG_REAL}: sglang is not importable here",)

@@ -71,8 +71,9 @@ DEFAULT_BENCH_PROFILES = ("h200-llama8b", "h100-llama8b", "seed-kimi-pcie")
 DEFAULT_BENCH_WORKLOADS = ("chat", "code", "hard", "shift")
 # The concurrency sweep 1, 4, 16, 64, 256 and back.
 DEFAULT_BENCH_LOAD = "90:1,90:4,90:16,90:64,90:256,90:64,90:16,90:4,90:1"
+# sglang-real runs where sglang is importable and is skipped, saying so, elsewhere.
 DEFAULT_BENCH_POLICIES = (
-    "never", "threshold", "sglang-default", "thompson", "ucb", "model", "optuna",
+    "never", "threshold", "sglang-default", "sglang-real", "thompson", "ucb", "model", "optuna",
 )
 # SGLang's default adaptive union: every baseline's arms are built.
 DEFAULT_ARMS = (0, 1, 3, 5, 7)
