@@ -25,9 +25,10 @@ class FakeClock:
 class Sim:
     """A simulated server whose virtual time moves only by :meth:`step`."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, model: str = "sim/llama-3.1-8b-instruct") -> None:
         self.t = 0.0
-        self.server = SimServer(load="16", speed=1.0, clock=lambda: self.t, seed=seed)
+        self.server = SimServer(load="16", speed=1.0, clock=lambda: self.t, seed=seed,
+                                model_name=model)
 
     def __enter__(self) -> Sim:
         self.server.start()
@@ -115,6 +116,41 @@ def test_replicas_of_a_pool_under_one_daemon_share_one_policy(tmp_path):
         assert all(st.pooled == 0 for st in d.status().servers)  # no other daemon in it
         for x in (d, alone):
             x.shutdown()
+
+
+def test_servers_of_a_pool_that_run_different_models_learn_apart(tmp_path, caplog):
+    clock = FakeClock()
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    with Sim(1) as s1, Sim(2) as s2, Sim(3, model="sim/qwen2.5-32b") as s3:
+        d = daemon([s1.addr, s2.addr, s3.addr], url, clock, pool="p")
+        with caplog.at_level(logging.WARNING, logger="tuner.daemon"):
+            rounds(4, clock, [s1, s2, s3], [d])
+        assert d.policy_of(s1.addr) is d.policy_of(s2.addr)
+        assert d.policy_of(s3.addr) is not d.policy_of(s1.addr)
+        warned = [m for m in caplog.messages if "learn apart" in m]
+        assert len(warned) == 1 and "sim/qwen2.5-32b" in warned[0]
+        assert "sim/llama-3.1-8b-instruct" in warned[0]
+        d.shutdown()
+
+
+def test_a_server_back_with_another_model_starts_a_fresh_policy(tmp_path, caplog):
+    clock = FakeClock()
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    with Sim(1) as s1:
+        d = daemon([s1.addr], url, clock)
+        rounds(6, clock, [s1], [d])
+        before = d.policy_of(s1.addr)
+        assert steps_known(d) > 0
+        s1.server.model_name = "sim/qwen2.5-32b"  # redeployed with another model
+        with caplog.at_level(logging.WARNING, logger="tuner.daemon"):
+            rounds(1, clock, [s1], [d])
+        assert d.policy_of(s1.addr) is not before
+        assert steps_known(d) == 0  # nothing of the old model's history carried over
+        assert any("now runs sim/qwen2.5-32b" in m for m in caplog.messages)
+        d.shutdown()
+        with Storage(url, read_only=True) as st:
+            kinds = [e.kind for e in st.events(server=s1.addr)]
+        assert "model_changed" in kinds
 
 
 def test_a_pool_mates_transaction_committing_late_is_still_read(tmp_path):

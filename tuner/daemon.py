@@ -17,9 +17,11 @@ retried with backoff and reported once per outage; a failing database is retried
 with the rows kept in memory. A table the server refused is not pushed again for a backoff
 period. A version the server reports above anything this daemon sent means another tuner (or
 an operator) is pushing: the daemon then stops pushing to that server and only observes.
-With a ``pool``, this daemon's servers with the same arms share one policy (identical
-replicas learn as one, for the price of one), warm-started from the whole pool's history, and
-each tick also feeds it what the pool's servers under other daemons recorded. On stop, each
+With a ``pool``, this daemon's servers with the same model and arms share one policy
+(identical replicas learn as one, for the price of one), warm-started from the whole pool's
+history, and each tick also feeds it what the pool's servers under other daemons recorded;
+servers of one pool that report different models learn apart, and the daemon says so. A
+server that comes back with another model gets a fresh policy. On stop, each
 server gets its greedy table (never an exploration table) and the history is flushed.
 
 Time and waiting are injected (``clock``, ``wait``) so tests drive ticks with a fake clock.
@@ -167,6 +169,7 @@ class _Server:
     client: SGLangClient
     mode: str = "connecting"
     arms: tuple[int, ...] = ()
+    model: str | None = None  # served_model_name / model_path from /server_info
     policy: BasePolicy | None = None
     prev: list[DynspecState] | None = None
     version: int = 0  # highest version known to be used (ours, the server's, the history's)
@@ -207,6 +210,15 @@ class _Server:
     policy_error: str | None = None
     future: Future | None = None  # the worker reading this server, while it runs
     status: ServerStatus | None = None  # as last published
+
+
+def _model_of(info: dict[str, Any]) -> str | None:
+    """The model a server reports in ``/server_info`` (SGLang's server args), if any."""
+    for key in ("served_model_name", "model_path"):
+        value = info.get(key)
+        if isinstance(value, str) and value:
+            return value
+    return None
 
 
 class _PoolPolicy:
@@ -394,7 +406,9 @@ class Daemon:
             if len(self._servers) > 1
             else None
         )
-        self._pool_policies: dict[tuple[int, ...], _PoolPolicy] = {}  # by arms
+        # by (model, arms): replicas of one model share; another model learns apart
+        self._pool_policies: dict[tuple[str | None, tuple[int, ...]], _PoolPolicy] = {}
+        self._pool_models: dict[str, str | None] = {}  # address -> model, to warn once
         self._pool_lock = threading.Lock()
         self._pool_cursor: int | None = None  # live pooling: last observation id read
         self._pool_floor = 0  # ids up to here predate the daemon (warm start covers them)
@@ -574,7 +588,9 @@ class Daemon:
     # --- reading ----------------------------------------------------------------------------
 
     def _read_plugin(self, srv: _Server, now: float) -> list[Observation]:
-        states = srv.client.read_state()
+        info = srv.client.server_info()
+        states = srv.client.parse_state(info)
+        model = _model_of(info)
         arms = states[0].arms
         if any(s.arms != arms for s in states):
             raise MalformedReplyError(
@@ -588,6 +604,18 @@ class Daemon:
             srv.sampler = None
             if self.metrics is not None:
                 self.metrics.set_plugin_loaded(srv.address, True)
+        if srv.policy is not None and model != srv.model and srv.model is not None:
+            # What was learnt is about another model's acceptance and step times.
+            self._event(srv.address, now, "model_changed", f"{srv.model} -> {model}")
+            log.warning("%s: the server now runs %s (was %s); starting a fresh policy",
+                        srv.address, model, srv.model)
+            srv.policy = None
+            srv.model = model
+            srv.desired, srv.needs_push, srv.rejected_table = None, False, None
+            self._build_policy(srv, arms, warm=False)
+            srv.prev = None
+            srv.last_decision = now
+        srv.model = model
         if srv.policy is None or arms != srv.arms:
             if srv.policy is not None:
                 self._event(srv.address, now, "arms_changed", f"{srv.arms} -> {arms}")
@@ -736,9 +764,10 @@ class Daemon:
 
     # --- learning and deciding --------------------------------------------------------------
 
-    def _build_policy(self, srv: _Server, arms: tuple[int, ...]) -> None:
+    def _build_policy(self, srv: _Server, arms: tuple[int, ...], *, warm: bool = True) -> None:
         """A fresh policy for ``arms``, warm-started from this server's history (with a pool:
-        the pool's shared policy for these arms, built and warm-started once)."""
+        the pool's shared policy for this model and these arms, built and warm-started once).
+        ``warm=False``: no warm start (the history is about another model)."""
         srv.arms = arms
         if self.storage is not None:
             try:  # new tables are numbered above every version recorded for this server
@@ -748,18 +777,34 @@ class Daemon:
             except StorageError as exc:
                 log.warning("%s: the history is unavailable: %s", srv.address, exc)
         if self.config.pool is None:
-            self._new_policy(srv, arms)
+            self._new_policy(srv, arms, warm=warm)
             return
         with self._pool_lock:  # two replicas read for the first time at once build one
-            shared = self._pool_policies.get(arms)
+            self._check_pool_models(srv)
+            key = (srv.model, arms)
+            shared = self._pool_policies.get(key)
             if shared is None:
-                self._new_policy(srv, arms)
+                self._new_policy(srv, arms, warm=warm)
                 if srv.policy is not None:
                     shared = _PoolPolicy(srv.policy, srv.pool_from_id)
-                    self._pool_policies[arms] = shared
+                    self._pool_policies[key] = shared
             srv.policy = shared
 
-    def _new_policy(self, srv: _Server, arms: tuple[int, ...]) -> None:
+    def _check_pool_models(self, srv: _Server) -> None:
+        """Warn once per model that joins a pool whose servers run another model."""
+        if self._pool_models.get(srv.address, "") == srv.model:
+            return
+        known = {a: m for a, m in self._pool_models.items() if a != srv.address}
+        self._pool_models[srv.address] = srv.model
+        if known and srv.model not in known.values():
+            log.warning(
+                "pool %s: %s runs %s, but %s; servers of different models learn apart "
+                "(a pool is for replicas of one model)", self.config.pool, srv.address,
+                srv.model or "an unnamed model",
+                ", ".join(f"{a} runs {m or 'an unnamed model'}" for a, m in sorted(known.items())),
+            )
+
+    def _new_policy(self, srv: _Server, arms: tuple[int, ...], *, warm: bool = True) -> None:
         try:
             policy = self._policy_factory(arms, self.buckets)
         except ValueError as exc:
@@ -773,7 +818,7 @@ class Daemon:
             return
         srv.policy_error = None
         rows: list[ObservationRecord] = []
-        if self.storage is not None:
+        if self.storage is not None and warm:
             try:
                 if self.config.pool is not None:
                     srv.pool_from_id = self.storage.last_observation_id()
@@ -782,7 +827,7 @@ class Daemon:
                 log.warning("%s: no warm start, the history is unavailable: %s",
                             srv.address, exc)
         allowed = set(arms)
-        pending = self._buffer.pending(srv.address)
+        pending = self._buffer.pending(srv.address) if warm else []
         used = steps = 0
         for r in [*rows, *pending]:
             if r.k not in allowed:
@@ -1064,7 +1109,9 @@ class Daemon:
         self._pool_seen = {i for i in self._pool_seen if i > floor}
         with self._pool_lock:
             shared = list(self._pool_policies.items())
-        for arms, policy in shared:
+        # Stored rows name no model: pool-mates under other daemons are taken for replicas
+        # of every model this daemon pools (the pool's name is the operator's word for it).
+        for (_model, arms), policy in shared:
             allowed = set(arms)
             obs = [(i, Observation(r.b, r.k, r.decode_steps, r.emitted_tokens,
                                    r.accepted_drafts, r.drafted_tokens, r.busy_s))
