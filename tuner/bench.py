@@ -342,14 +342,10 @@ class _SGLangCore(PluginCore):
 
     def __init__(self, arms: Iterable[int], *, started_at: float, graph_bs: Sequence[int]):
         super().__init__(arms, started_at=started_at)
-        from sglang.srt.speculative import adaptive_spec_params as asp
+        from tuner.plugin._sglang import stock_adaptive_params
 
-        # SGLang's own class even where our plugin has replaced it (a process that ran
-        # load_plugins()): the replacement subclasses it.
-        cls = asp.AdaptiveSpeculativeParams
-        while cls.__module__ != asp.__name__:
-            cls = cls.__bases__[0]
-        self._params = cls(initial_steps=3, cfg_path=None)
+        # SGLang's own class even where our plugin has replaced it (load_plugins() ran).
+        self._params = stock_adaptive_params()(initial_steps=3, cfg_path=None)
         self._params.set_cuda_graph_bs(list(graph_bs))
         self._graph_bs = sorted(set(graph_bs))
 

@@ -30,12 +30,9 @@ def need() -> None:
 
 def stock_adaptive_params() -> type:
     """SGLang's own ``AdaptiveSpeculativeParams``, even after the plugin replaced it."""
-    from sglang.srt.speculative import adaptive_spec_params as asp
+    from tuner.plugin._sglang import stock_adaptive_params as stock
 
-    cls = asp.AdaptiveSpeculativeParams
-    while cls.__module__ != asp.__name__:
-        cls = cls.__bases__[0]
-    return cls
+    return stock()
 
 
 def write_config(tmp_path: Path, cfg: dict[str, Any], name: str = "adaptive.json") -> str:

@@ -17,7 +17,13 @@ LOAD = "40:1,40:64"
 
 
 def test_the_core_drives_sglangs_own_class_even_after_the_plugin_replaced_it():
+    from sglang.srt.speculative import adaptive_spec_params as asp
+
     core = _SGLangCore((0, 1, 3, 5), started_at=0.0, graph_bs=(1, 2, 4, 8, 16, 32, 64))
+    # The session ran load_plugins(): the name now holds our subclass, not what the core runs.
+    assert asp.AdaptiveSpeculativeParams is not type(core._params)
+    assert issubclass(asp.AdaptiveSpeculativeParams, type(core._params))
+    assert type(core._params).__module__ == asp.__name__
     assert type(core._params) is stock_adaptive_params()
     first = core.steps_for_batch(1)
     for i in range(200):  # every request accepts every draft: the EMA climbs to the top arm

@@ -178,6 +178,18 @@ def _install_policy_file(core: PluginCore, path: str) -> None:
 # --- the policy class ------------------------------------------------------------------------
 
 
+def stock_adaptive_params() -> type:
+    """SGLang's own ``AdaptiveSpeculativeParams``, also in a process where this plugin has
+    replaced it (the replacement subclasses it). Imports sglang."""
+    import importlib
+
+    mod = importlib.import_module(_ADAPTIVE_MOD)
+    cls = mod.AdaptiveSpeculativeParams
+    while cls.__module__ != mod.__name__:
+        cls = cls.__bases__[0]
+    return cls
+
+
 def build_policy_class(base: type) -> type:
     """Subclass SGLang's ``AdaptiveSpeculativeParams`` so our table decides each batch.
 
