@@ -16,15 +16,17 @@ pytestmark = pytest.mark.contract
 LOAD = "40:1,40:64"
 
 
-def test_the_core_drives_sglangs_own_class_even_after_the_plugin_replaced_it():
+def test_the_core_drives_sglangs_own_class_even_after_the_plugin_replaced_it(monkeypatch):
     from sglang.srt.speculative import adaptive_spec_params as asp
 
+    from tuner.plugin._sglang import build_policy_class
+
+    stock = stock_adaptive_params()
+    assert stock.__module__ == asp.__name__
+    # As in a process that ran load_plugins(): the name holds our subclass.
+    monkeypatch.setattr(asp, "AdaptiveSpeculativeParams", build_policy_class(stock))
     core = _SGLangCore((0, 1, 3, 5), started_at=0.0, graph_bs=(1, 2, 4, 8, 16, 32, 64))
-    # The session ran load_plugins(): the name now holds our subclass, not what the core runs.
-    assert asp.AdaptiveSpeculativeParams is not type(core._params)
-    assert issubclass(asp.AdaptiveSpeculativeParams, type(core._params))
-    assert type(core._params).__module__ == asp.__name__
-    assert type(core._params) is stock_adaptive_params()
+    assert type(core._params) is stock
     first = core.steps_for_batch(1)
     for i in range(200):  # every request accepts every draft: the EMA climbs to the top arm
         core.record_decode(1, first, first + 1, first, launch_ts=i * 0.01, forward_iter=i)
