@@ -14,8 +14,9 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 # Bumped whenever a table changes shape; Storage refuses a database newer than it knows and
 # migrates older ones step by step. v2: observations carry their own moments (interval count,
 # sums of squares) and a roll-up marker, so old rows can be merged without losing what the
-# report's intervals need.
-SCHEMA_VERSION = 2
+# report's intervals need. v3: servers carry the model they run and since when, so a server
+# redeployed with another model is not warm-started from what the old one taught.
+SCHEMA_VERSION = 3
 
 # SQLite only auto-increments an INTEGER PRIMARY KEY; PostgreSQL gets a BIGINT identity.
 _BigId = BigInteger().with_variant(Integer(), "sqlite")
@@ -49,6 +50,17 @@ class ServerModel(Base):
     # Every start time this server reported, JSON list: one entry per restart.
     start_times_json: Mapped[str] = mapped_column(Text, default="[]")
     pool: Mapped[str | None] = mapped_column(String(255))
+    # v3; deferred, so a read-only look at an unmigrated v2 history never selects them.
+    model: Mapped[str | None] = mapped_column(String(255), deferred=True)
+    # When this address started running ``model`` (None: as far back as the history goes).
+    model_since: Mapped[float | None] = mapped_column(Double, deferred=True)
+
+
+# Columns v3 adds to ``servers`` (name, DDL), for the in-place migration.
+SERVER_V3_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("model", "VARCHAR(255)"),
+    ("model_since", "DOUBLE PRECISION"),
+)
 
 
 class ObservationModel(Base):

@@ -52,6 +52,7 @@ class ServerSeen:
     seen_at: float
     started_at: float | None = None
     pool: str | None = None
+    model: str | None = None  # what the server reports it runs, when it says
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +64,8 @@ class ServerRecord:
     started_at: float | None
     start_times: tuple[float, ...]
     pool: str | None
+    model: str | None = None
+    model_since: float | None = None  # rows from then on are this model's (None: all)
 
 
 @dataclass(frozen=True, slots=True)

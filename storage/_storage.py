@@ -17,6 +17,7 @@ from sqlalchemy import (
     Double,
     Engine,
     Integer,
+    Select,
     cast,
     create_engine,
     delete,
@@ -31,11 +32,12 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session, sessionmaker, undefer
 
 from storage._models import (
     OBSERVATION_V2_COLUMNS,
     SCHEMA_VERSION,
+    SERVER_V3_COLUMNS,
     Base,
     EventModel,
     ObservationModel,
@@ -222,7 +224,7 @@ class Storage:
     def _prepare(self) -> None:
         # Whether observations have schema v2's columns (moments, roll-up marker); a
         # read-only reader of a v1 history computes the same numbers from v1's columns.
-        self._v2 = True
+        self._v2 = self._v3 = True
         if self.read_only:
             with self._session_scope("reading the schema version") as s:
                 try:
@@ -231,6 +233,7 @@ class Storage:
                     raise self._error("no dynspec history here", exc) from exc
                 self._check_version(row)
                 self._v2 = row is None or row.version >= 2
+                self._v3 = row is None or row.version >= 3
             return
         try:
             Base.metadata.create_all(self._engine)
@@ -257,7 +260,8 @@ class Storage:
         """Bring a history of an older schema up to :data:`SCHEMA_VERSION` in place.
 
         v1 -> v2 adds observations' moment columns and roll-up marker (NULL moments mean
-        "the row's own values", so no row is rewritten: instant on any size). Safe against
+        "the row's own values", so no row is rewritten: instant on any size); v2 -> v3 adds
+        the servers' model and since when (NULL: not known, all rows count). Safe against
         a second daemon migrating at the same time: PostgreSQL serialises on the version
         row; on SQLite a column the other one added first is seen on the retry.
         """
@@ -271,11 +275,16 @@ class Storage:
                     )
                     if version is None or version >= SCHEMA_VERSION:
                         return
-                    table = ObservationModel.__tablename__
-                    have = {c["name"] for c in inspect(conn).get_columns(table)}
-                    for name, ddl in OBSERVATION_V2_COLUMNS:
-                        if name not in have:
-                            conn.execute(text(f"ALTER TABLE {table} ADD COLUMN {name} {ddl}"))
+                    for table, columns in (
+                        (ObservationModel.__tablename__, OBSERVATION_V2_COLUMNS),
+                        (ServerModel.__tablename__, SERVER_V3_COLUMNS),
+                    ):
+                        have = {c["name"] for c in inspect(conn).get_columns(table)}
+                        for name, ddl in columns:
+                            if name not in have:
+                                conn.execute(
+                                    text(f"ALTER TABLE {table} ADD COLUMN {name} {ddl}")
+                                )
                     conn.execute(
                         SchemaVersionModel.__table__.update()
                         .where(SchemaVersionModel.id == 1)
@@ -360,7 +369,11 @@ class Storage:
             return {}
         rows = {
             m.address: m
-            for m in s.scalars(select(ServerModel).where(ServerModel.address.in_(wanted)))
+            for m in s.scalars(
+                select(ServerModel)
+                .where(ServerModel.address.in_(wanted))
+                .options(undefer(ServerModel.model), undefer(ServerModel.model_since))
+            )
         }
         for x in seen:
             m = rows.get(x.address)
@@ -374,6 +387,7 @@ class Storage:
                     started_at=x.started_at,
                     start_times_json=json.dumps([] if x.started_at is None else [x.started_at]),
                     pool=x.pool,
+                    model=x.model,
                 )
                 s.add(m)
                 rows[x.address] = m
@@ -382,6 +396,12 @@ class Storage:
             m.arms_json = arms
             if x.pool is not None:
                 m.pool = x.pool
+            if x.model is not None and x.model != m.model:
+                # A model first named keeps the rows before it (they are taken to be its);
+                # another model starts its own stretch of history.
+                if m.model is not None:
+                    m.model_since = x.seen_at
+                m.model = x.model
             if x.started_at is not None and x.started_at != m.started_at:
                 starts = json.loads(m.start_times_json or "[]")
                 if x.started_at not in starts:
@@ -588,8 +608,8 @@ class Storage:
 
     # --- reading ----------------------------------------------------------------------------
 
-    @staticmethod
-    def _server_record(m: ServerModel) -> ServerRecord:
+    def _server_record(self, m: ServerModel) -> ServerRecord:
+        v3 = self._v3  # an unmigrated history read read-only has no model columns
         return ServerRecord(
             address=m.address,
             arms=tuple(json.loads(m.arms_json or "[]")),
@@ -598,6 +618,8 @@ class Storage:
             started_at=m.started_at,
             start_times=tuple(json.loads(m.start_times_json or "[]")),
             pool=m.pool,
+            model=m.model if v3 else None,
+            model_since=m.model_since if v3 else None,
         )
 
     def servers(self) -> list[ServerRecord]:
@@ -605,13 +627,19 @@ class Storage:
         with self._session_scope("reading servers") as s:
             return [
                 self._server_record(m)
-                for m in s.scalars(select(ServerModel).order_by(ServerModel.address))
+                for m in s.scalars(self._servers_query().order_by(ServerModel.address))
             ]
 
     def server(self, address: str) -> ServerRecord | None:
         with self._session_scope("reading a server") as s:
-            m = s.scalars(select(ServerModel).where(ServerModel.address == address)).first()
+            m = s.scalars(self._servers_query().where(ServerModel.address == address)).first()
             return None if m is None else self._server_record(m)
+
+    def _servers_query(self) -> Select[tuple[ServerModel]]:
+        q = select(ServerModel)
+        if self._v3:
+            q = q.options(undefer(ServerModel.model), undefer(ServerModel.model_since))
+        return q
 
     @staticmethod
     def _obs_query(
@@ -841,16 +869,21 @@ class Storage:
         since: float | None = None,
         limit: int = DEFAULT_WARM_START_ROWS,
         pool: str | None = None,
+        model: str | None = None,
     ) -> list[ObservationRecord]:
         """The latest ``limit`` observations of ``server`` at one of ``arms``, oldest first:
         what a restarted daemon replays into a fresh policy. Buckets need no filter:
         observations keep the raw batch size, so any bucketing can be rebuilt from them.
 
         With ``pool``, the rows of every server recorded in that pool (identical replicas,
-        ``run --pool``) count as well as the server's own."""
+        ``run --pool``) count as well as the server's own; with ``model`` too, only those of
+        pool-mates last seen running that model (or never seen saying)."""
         q = self._obs_query(None if pool is not None else server, since, None, arms)
         if pool is not None:
-            q = q.where(or_(ServerModel.address == server, ServerModel.pool == pool))
+            mates = ServerModel.pool == pool
+            if model is not None and self._v3:
+                mates &= or_(ServerModel.model.is_(None), ServerModel.model == model)
+            q = q.where(or_(ServerModel.address == server, mates))
         q = (
             q.order_by(ObservationModel.ts.desc(), ObservationModel.id.desc())
             .limit(limit)

@@ -153,6 +153,38 @@ def test_a_server_back_with_another_model_starts_a_fresh_policy(tmp_path, caplog
         assert "model_changed" in kinds
 
 
+def test_a_restarted_daemon_warm_starts_only_from_the_model_the_server_runs(tmp_path, caplog):
+    clock = FakeClock()
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    with Sim(1) as s1:
+        first = daemon([s1.addr], url, clock)
+        rounds(6, clock, [s1], [first])
+        first.shutdown()
+        # Same model: the next daemon starts from the history.
+        again = daemon([s1.addr], url, clock)
+        again.run_once()
+        llama_steps = steps_known(again)
+        assert llama_steps > 0
+        again.shutdown()
+        # Redeployed with another model while no daemon watched: nothing carries over.
+        s1.server.model_name = "sim/qwen2.5-32b"
+        with caplog.at_level(logging.WARNING, logger="tuner.daemon"):
+            fresh = daemon([s1.addr], url, clock)
+            fresh.run_once()
+        assert steps_known(fresh) == 0
+        assert any("the history says sim/llama-3.1-8b-instruct" in m for m in caplog.messages)
+        rounds(3, clock, [s1], [fresh])
+        fresh.shutdown()
+        # From now on the history's qwen stretch is what a daemon starts from.
+        later = daemon([s1.addr], url, clock)
+        later.run_once()
+        assert 0 < steps_known(later) < llama_steps
+        later.shutdown()
+        with Storage(url, read_only=True) as st:
+            assert st.server(s1.addr).model == "sim/qwen2.5-32b"
+            assert [e.kind for e in st.events(server=s1.addr)].count("model_changed") == 1
+
+
 def test_a_pool_mates_transaction_committing_late_is_still_read(tmp_path):
     """Ids are handed out at insert, not at commit: rows below the cursor can appear later."""
     import sqlite3

@@ -47,6 +47,34 @@ def test_two_writers_one_database_lose_nothing(db_url):
         assert len(st.events(kinds=["recovered"])) == 2
 
 
+def test_a_servers_model_and_since_when_are_kept(db_url):
+    with Storage(db_url) as st:
+        st.record_tick(servers=[ServerSeen(A, (0, 1), 1.0, 0.5)], observations=[obs(A, 1.0)])
+        assert st.server(A).model is None  # never said
+        st.record_tick(servers=[ServerSeen(A, (0, 1), 2.0, 0.5, model="llama")])
+        # The first model named owns the rows before it.
+        assert (st.server(A).model, st.server(A).model_since) == ("llama", None)
+        st.record_tick(servers=[ServerSeen(A, (0, 1), 3.0, 0.5, model="llama")])
+        st.record_tick(servers=[ServerSeen(A, (0, 1), 9.0, 8.0, model="qwen")])
+        assert (st.server(A).model, st.server(A).model_since) == ("qwen", 9.0)
+        st.record_tick(servers=[ServerSeen(A, (0, 1), 10.0, 8.0)])  # a reading without one
+        assert (st.server(A).model, st.server(A).model_since) == ("qwen", 9.0)
+
+
+def test_pool_warm_start_leaves_out_mates_of_another_model(db_url):
+    with Storage(db_url) as st:
+        st.record_tick(
+            servers=[ServerSeen(A, (0, 1), 1.0, pool="p", model="llama"),
+                     ServerSeen(B, (0, 1), 1.0, pool="p", model="qwen"),
+                     ServerSeen(C, (0, 1), 1.0, pool="p")],
+            observations=[obs(x, 1.0) for x in (A, B, C)],
+        )
+        got = {r.server for r in st.warm_start(A, arms=(0, 1), pool="p", model="llama")}
+        assert got == {A, C}  # C never said which model it runs
+        got = {r.server for r in st.warm_start(A, arms=(0, 1), pool="p")}
+        assert got == {A, B, C}
+
+
 def test_the_same_server_from_two_writers_is_one_server(db_url):
     with Storage(db_url) as one, Storage(db_url) as two:
         one.record_tick(servers=[ServerSeen(A, (0, 1), 1.0, 0.5)], observations=[obs(A, 1.0)])

@@ -248,10 +248,11 @@ def test_a_v1_file_migrates_on_open_and_rolls_up(tmp_path):
     # A reader (report) of the unmigrated file gets the numbers, and changes nothing.
     with Storage(url, read_only=True) as ro:
         assert ro.schema_version == 1
+        assert [(x.address, x.model) for x in ro.servers()] == [(A, None)]  # no such column
         v1_moments, v1_totals = moments(ro), totals(ro)
         assert sum(v[0] for v in v1_totals.values()) == len(rows)
     with Storage(url) as st:
-        assert st.schema_version == 2
+        assert st.schema_version == 3
         assert st.observations() == sorted(rows, key=lambda r: r.ts)
         assert_moments_equal(moments(st), v1_moments)
         assert st.rollup(older_than=T0 + 2 * HOUR, bin_s=HOUR) > 0
@@ -260,8 +261,10 @@ def test_a_v1_file_migrates_on_open_and_rolls_up(tmp_path):
         st.record_tick(observations=[rows[0]])  # the daemon keeps writing
     cols = {r[1] for r in sqlite3.connect(path).execute("PRAGMA table_info(observations)")}
     assert {"n_intervals", "emitted_sq", "emitted_busy", "busy_sq", "rollup_bin_s"} <= cols
+    cols = {r[1] for r in sqlite3.connect(path).execute("PRAGMA table_info(servers)")}
+    assert {"model", "model_since"} <= cols
     with Storage(url) as again:  # opening a migrated file again is a no-op
-        assert again.schema_version == 2
+        assert again.schema_version == 3
 
 
 # --- configuration and the daemon ----------------------------------------------------------------

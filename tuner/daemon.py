@@ -634,7 +634,8 @@ class Daemon:
         if len(tables) > 1 and srv.desired is not None:
             srv.needs_push = True  # replicas disagree: bring them back in step
         srv.started_at = states[0].started_at
-        self._buffer.seen(ServerSeen(srv.address, arms, now, srv.started_at, self.config.pool))
+        self._buffer.seen(ServerSeen(srv.address, arms, now, srv.started_at, self.config.pool,
+                                     srv.model))
         observations = self._deltas(srv, states, now)
         srv.prev = states
         server_version = max(s.policy_version for s in states)
@@ -790,6 +791,23 @@ class Daemon:
                     self._pool_policies[key] = shared
             srv.policy = shared
 
+    def _model_history_since(self, srv: _Server) -> float | None:
+        """From when the stored history of ``srv`` is about the model it runs now: None for
+        all of it, ``inf`` for none (the history names another model: redeployed while this
+        daemon was away, which is then recorded)."""
+        assert self.storage is not None
+        rec = self.storage.server(srv.address)
+        if rec is None or rec.model is None or srv.model is None:
+            return None
+        if rec.model == srv.model:
+            return rec.model_since
+        now = self.clock()
+        detail = f"{rec.model} -> {srv.model} (while this daemon was not watching)"
+        self._event(srv.address, now, "model_changed", detail)
+        log.warning("%s: the server now runs %s, the history says %s; starting a fresh "
+                    "policy", srv.address, srv.model, rec.model)
+        return math.inf
+
     def _check_pool_models(self, srv: _Server) -> None:
         """Warn once per model that joins a pool whose servers run another model."""
         if self._pool_models.get(srv.address, "") == srv.model:
@@ -822,7 +840,12 @@ class Daemon:
             try:
                 if self.config.pool is not None:
                     srv.pool_from_id = self.storage.last_observation_id()
-                rows = self.storage.warm_start(srv.address, arms=arms, pool=self.config.pool)
+                since = self._model_history_since(srv)
+                if since is not None and math.isinf(since):
+                    warm = False
+                else:
+                    rows = self.storage.warm_start(srv.address, arms=arms, since=since,
+                                                   pool=self.config.pool, model=srv.model)
             except StorageError as exc:
                 log.warning("%s: no warm start, the history is unavailable: %s",
                             srv.address, exc)
@@ -1109,13 +1132,18 @@ class Daemon:
         self._pool_seen = {i for i in self._pool_seen if i > floor}
         with self._pool_lock:
             shared = list(self._pool_policies.items())
-        # Stored rows name no model: pool-mates under other daemons are taken for replicas
-        # of every model this daemon pools (the pool's name is the operator's word for it).
-        for (_model, arms), policy in shared:
+        try:
+            mates = {rec.address: rec.model for rec in self.storage.servers()}
+        except StorageError as exc:
+            log.debug("pool %s: pool-mates' models not read this tick: %s", pool, exc)
+            mates = {}
+        for (model, arms), policy in shared:
             allowed = set(arms)
+            # A pool-mate known to run another model teaches this policy nothing.
             obs = [(i, Observation(r.b, r.k, r.decode_steps, r.emitted_tokens,
                                    r.accepted_drafts, r.drafted_tokens, r.busy_s))
-                   for i, r in fresh if i > policy.from_id and r.k in allowed]
+                   for i, r in fresh if i > policy.from_id and r.k in allowed
+                   and (model is None or mates.get(r.server) in (None, model))]
             with policy.lock:  # a worker of a slow server may hold it: fed as one batch
                 policy.pooled += sum(1 for _, o in obs if policy.policy.update(o))
 
