@@ -222,7 +222,8 @@ def _model_of(info: dict[str, Any]) -> str | None:
 
 
 class _PoolPolicy:
-    """One policy shared by this daemon's servers of a pool that have the same arms.
+    """One policy shared by this daemon's servers of a pool that run one model with one set
+    of arms.
 
     Identical replicas then learn from each other's observations as they arrive, at the cost
     of one policy; each server still draws its own proposal. Thread-safe: the workers of
@@ -604,18 +605,16 @@ class Daemon:
             srv.sampler = None
             if self.metrics is not None:
                 self.metrics.set_plugin_loaded(srv.address, True)
-        if srv.policy is not None and model != srv.model and srv.model is not None:
+        was, srv.model = srv.model, model if model is not None else srv.model
+        if srv.policy is not None and was is not None and srv.model != was:
             # What was learnt is about another model's acceptance and step times.
-            self._event(srv.address, now, "model_changed", f"{srv.model} -> {model}")
+            self._event(srv.address, now, "model_changed", f"{was} -> {srv.model}")
             log.warning("%s: the server now runs %s (was %s); starting a fresh policy",
-                        srv.address, model, srv.model)
-            srv.policy = None
-            srv.model = model
+                        srv.address, srv.model, was)
             srv.desired, srv.needs_push, srv.rejected_table = None, False, None
             self._build_policy(srv, arms, warm=False)
             srv.prev = None
             srv.last_decision = now
-        srv.model = model
         if srv.policy is None or arms != srv.arms:
             if srv.policy is not None:
                 self._event(srv.address, now, "arms_changed", f"{srv.arms} -> {arms}")
@@ -791,22 +790,22 @@ class Daemon:
                     self._pool_policies[key] = shared
             srv.policy = shared
 
-    def _model_history_since(self, srv: _Server) -> float | None:
-        """From when the stored history of ``srv`` is about the model it runs now: None for
-        all of it, ``inf`` for none (the history names another model: redeployed while this
-        daemon was away, which is then recorded)."""
+    def _history_of_this_model(self, srv: _Server) -> tuple[bool, float | None]:
+        """Whether the stored history of ``srv`` is about the model it runs now, and from
+        when (None: all of it). Not when it names another model: the server was redeployed
+        while this daemon was away, which is then recorded."""
         assert self.storage is not None
         rec = self.storage.server(srv.address)
         if rec is None or rec.model is None or srv.model is None:
-            return None
+            return True, None
         if rec.model == srv.model:
-            return rec.model_since
+            return True, rec.model_since
         now = self.clock()
         detail = f"{rec.model} -> {srv.model} (while this daemon was not watching)"
         self._event(srv.address, now, "model_changed", detail)
         log.warning("%s: the server now runs %s, the history says %s; starting a fresh "
                     "policy", srv.address, srv.model, rec.model)
-        return math.inf
+        return False, None
 
     def _check_pool_models(self, srv: _Server) -> None:
         """Warn once per model that joins a pool whose servers run another model."""
@@ -840,10 +839,8 @@ class Daemon:
             try:
                 if self.config.pool is not None:
                     srv.pool_from_id = self.storage.last_observation_id()
-                since = self._model_history_since(srv)
-                if since is not None and math.isinf(since):
-                    warm = False
-                else:
+                warm, since = self._history_of_this_model(srv)
+                if warm:
                     rows = self.storage.warm_start(srv.address, arms=arms, since=since,
                                                    pool=self.config.pool, model=srv.model)
             except StorageError as exc:
