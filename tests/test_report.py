@@ -265,6 +265,20 @@ def test_server_without_observations(tmp_path: Path) -> None:
     _, _ = write_report(report, fmt="html", out=tmp_path / "r.html")  # plots cope with no data
 
 
+def test_the_model_a_server_runs_is_reported(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    with Storage(url) as st:
+        st.record_tick(servers=[ServerSeen(address="a:1", arms=(0, 3), seen_at=T0,
+                                           model="meta-llama/Llama-3.1-8B-Instruct")])
+        st.record_tick(servers=[ServerSeen(address="b:1", arms=(0, 3), seen_at=T0)])
+        report = build_report(st, now=T0)
+    text = render_text(report)
+    assert "== server a:1 (meta-llama/Llama-3.1-8B-Instruct) ==" in text
+    assert "== server b:1 ==" in text
+    models = {s["server"]: s["model"] for s in report_to_json(report)["servers"]}
+    assert models == {"a:1": "meta-llama/Llama-3.1-8B-Instruct", "b:1": None}
+
+
 def test_parse_since() -> None:
     assert parse_since("90s", now=1000.0) == 910.0
     assert parse_since("15m", now=1000.0) == 100.0

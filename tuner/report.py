@@ -87,6 +87,7 @@ REPORT_EVENT_KINDS = (
     "plugin_missing",
     "malformed_reply",
     "arms_changed",
+    "model_changed",
 )
 # Versions listed in the text report (JSON and HTML list all in the window).
 _TEXT_VERSIONS = 12
@@ -194,6 +195,7 @@ class ServerReport:
     events: tuple[EventEntry, ...]
     counts: dict[str, int]
     metrics_only: bool = False  # watched without the plugin (coarse /metrics observations)
+    model: str | None = None  # what the server last said it runs
     plots: dict[str, str] = field(default_factory=dict)  # name -> file, when written beside
 
 
@@ -544,7 +546,7 @@ def build_report(
     reports = []
     for name in names:
         rec: ServerRecord = records[name]
-        reports.append(
+        reports.append(replace(
             summarize(
                 server=name,
                 arms=rec.arms,
@@ -557,8 +559,9 @@ def build_report(
                 bin_s=bin_s,
                 origin=origin,
                 always=always,
-            )
-        )
+            ),
+            model=rec.model,
+        ))
     return Report(
         generated_at=time.time() if now is None else now,
         database=storage.url,
@@ -617,7 +620,7 @@ def render_text(report: Report, *, width: int = TEXT_WIDTH) -> str:
 
 
 def _server_text(s: ServerReport, width: int) -> list[str]:
-    title = f"== server {s.server} "
+    title = f"== server {s.server} " + (f"({s.model}) " if s.model else "")
     out = ["", title + "=" * max(0, width - len(title))]
     arms = ",".join(str(a) for a in s.arms) or "-"
     always = f"k{s.always_arm}" if s.always_arm is not None else "-"
@@ -750,6 +753,7 @@ def report_to_json(report: Report) -> dict[str, Any]:
 def _server_json(s: ServerReport) -> dict[str, Any]:
     return {
         "server": s.server,
+        "model": s.model,
         "arms": list(s.arms),
         "always_arm": s.always_arm,
         "observations": s.observations,
@@ -967,7 +971,8 @@ def render_html(report: Report, plots: dict[str, dict[str, bytes]] | None = None
     if not report.servers:
         parts.append("<p>No servers recorded in this database.</p>")
     for s in report.servers:
-        parts.append(f"<h2>{e(s.server)}</h2>")
+        model = f" <small>{e(s.model)}</small>" if s.model else ""
+        parts.append(f"<h2>{e(s.server)}{model}</h2>")
         parts.append(
             f"<p>arms {e(', '.join(map(str, s.arms)))} &middot; always-speculate arm "
             f"{'k' + str(s.always_arm) if s.always_arm is not None else '-'} &middot; "
