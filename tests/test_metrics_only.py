@@ -83,7 +83,7 @@ def fake() -> Iterator[tuple[FakeStockSGLang, str]]:
             if self.path == "/server_info":
                 # Stock SGLang: internal_states without a "dynspec" section.
                 body = json.dumps({"internal_states": [{"last_gen_throughput": 1.0}],
-                                   "version": "0.5.23"}).encode()
+                                   "model_path": "m", "version": "0.5.23"}).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
@@ -293,6 +293,7 @@ def test_daemon_learns_from_metrics_only_never_pushes_says_so_once(
     report = build_report(storage, buckets=Buckets((4, 16, 64)), now=now[0])
     (s,) = report.servers
     assert s.chosen_from == "data" and s.table is None and s.metrics_only
+    assert s.model == "m"  # from /server_info's server args, read while checking for the plugin
     got = {(bk.label, a.arm): a.goodput for bk in s.buckets for a in bk.arms}
     assert got[("5-16", 3)] == pytest.approx(100 * 12 * 2.4)
     assert got[("17-64", 1)] == pytest.approx(100 * 40 * 1.7)

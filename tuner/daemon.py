@@ -590,8 +590,12 @@ class Daemon:
 
     def _read_plugin(self, srv: _Server, now: float) -> list[Observation]:
         info = srv.client.server_info()
-        states = srv.client.parse_state(info)
         model = _model_of(info)
+        try:
+            states = srv.client.parse_state(info)
+        except PluginMissingError:
+            srv.model = model or srv.model  # recorded in metrics-only mode too
+            raise
         arms = states[0].arms
         if any(s.arms != arms for s in states):
             raise MalformedReplyError(
@@ -759,7 +763,8 @@ class Daemon:
             arms = tuple(sorted(set(srv.arms) | ks)) or ()
             if arms:
                 self._build_policy(srv, arms)
-        self._buffer.seen(ServerSeen(srv.address, srv.arms, now, None, self.config.pool))
+        self._buffer.seen(ServerSeen(srv.address, srv.arms, now, None, self.config.pool,
+                                     srv.model))
         return observations
 
     # --- learning and deciding --------------------------------------------------------------
