@@ -88,15 +88,29 @@ class CostProfile(abc.ABC):
     max_running: int | None
     source: str
 
-    @abc.abstractmethod
+    _cache: dict[tuple[int, int, bool], float]
+
     def step_s(self, b: int, k: int, *, skip_zero_draft_extend: bool = False) -> float:
         """Seconds of one decode step of ``b`` requests launched with ``k`` draft steps.
 
-        ``b`` is the batch size the forward runs at (after CUDA-graph padding).
+        ``b`` is the batch size the forward runs at (after CUDA-graph padding). Memoised: the
+        engine asks for the same few cells at every step.
 
         Raises:
             ProfileRangeError: ``b`` or ``k`` outside a table that refuses extrapolation.
         """
+        key = (b, k, skip_zero_draft_extend)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        if k < 0:
+            raise ValueError(f"arm k must be >= 0, got {k}")
+        out = self._cache[key] = self._step_ms(b, k, skip_zero_draft_extend) / 1000.0
+        return out
+
+    @abc.abstractmethod
+    def _step_ms(self, b: int, k: int, skip_zero_draft_extend: bool) -> float:
+        """:meth:`step_s` in milliseconds, uncached (``k >= 0``)."""
 
     @abc.abstractmethod
     def base_step_s(self, b: int) -> float:
@@ -280,21 +294,11 @@ class TableProfile(CostProfile):
         """Interpolated draft forward time, ms."""
         return self._ms(b, q, "draft")
 
-    def step_s(self, b: int, k: int, *, skip_zero_draft_extend: bool = False) -> float:
-        key = (b, k, skip_zero_draft_extend)
-        hit = self._cache.get(key)
-        if hit is not None:
-            return hit
-        if k < 0:
-            raise ValueError(f"arm k must be >= 0, got {k}")
+    def _step_ms(self, b: int, k: int, skip_zero_draft_extend: bool) -> float:
         if k == 0:
             ms = self.target_ms(b, 1)
-            if not skip_zero_draft_extend:
-                ms += self.draft_ms(b, 1)
-        else:
-            ms = k * self.draft_ms(b, 1) + self.target_ms(b, k + 1) + self.draft_ms(b, k + 1)
-        out = self._cache[key] = ms / 1000.0
-        return out
+            return ms if skip_zero_draft_extend else ms + self.draft_ms(b, 1)
+        return k * self.draft_ms(b, 1) + self.target_ms(b, k + 1) + self.draft_ms(b, k + 1)
 
     def base_step_s(self, b: int) -> float:
         return self.target_ms(b, 1) / 1000.0
@@ -383,13 +387,7 @@ class ParametricProfile(CostProfile):
             kv = self.kv_seq * b
         return self.t_o + self.t_w + self.t_e * cov + self.c_f * n_tokens + kv
 
-    def step_s(self, b: int, k: int, *, skip_zero_draft_extend: bool = False) -> float:
-        key = (b, k, skip_zero_draft_extend)
-        hit = self._cache.get(key)
-        if hit is not None:
-            return hit
-        if k < 0:
-            raise ValueError(f"arm k must be >= 0, got {k}")
+    def _step_ms(self, b: int, k: int, skip_zero_draft_extend: bool) -> float:
         if b < 1:
             raise ValueError(f"batch size must be >= 1, got {b}")
         if k == 0:
@@ -405,8 +403,7 @@ class ParametricProfile(CostProfile):
                 + self.e_o
                 + self.e_n * n
             )
-        out = self._cache[key] = ms / 1000.0
-        return out
+        return ms
 
     def base_step_s(self, b: int) -> float:
         return self._fwd_ms(b, b, verify=False) / 1000.0
