@@ -369,11 +369,7 @@ class Storage:
             return {}
         rows = {
             m.address: m
-            for m in s.scalars(
-                select(ServerModel)
-                .where(ServerModel.address.in_(wanted))
-                .options(undefer(ServerModel.model), undefer(ServerModel.model_since))
-            )
+            for m in s.scalars(self._servers_query().where(ServerModel.address.in_(wanted)))
         }
         for x in seen:
             m = rows.get(x.address)

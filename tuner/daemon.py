@@ -170,6 +170,7 @@ class _Server:
     mode: str = "connecting"
     arms: tuple[int, ...] = ()
     model: str | None = None  # served_model_name / model_path from /server_info
+    fresh_history: bool = False  # the model changed: the next policy starts without history
     policy: BasePolicy | None = None
     prev: list[DynspecState] | None = None
     version: int = 0  # highest version known to be used (ours, the server's, the history's)
@@ -590,12 +591,8 @@ class Daemon:
 
     def _read_plugin(self, srv: _Server, now: float) -> list[Observation]:
         info = srv.client.server_info()
-        model = _model_of(info)
-        try:
-            states = srv.client.parse_state(info)
-        except PluginMissingError:
-            srv.model = model or srv.model  # recorded in metrics-only mode too
-            raise
+        self._note_model(srv, _model_of(info), now)  # metrics-only mode reads it here too
+        states = srv.client.parse_state(info)
         arms = states[0].arms
         if any(s.arms != arms for s in states):
             raise MalformedReplyError(
@@ -609,16 +606,6 @@ class Daemon:
             srv.sampler = None
             if self.metrics is not None:
                 self.metrics.set_plugin_loaded(srv.address, True)
-        was, srv.model = srv.model, model if model is not None else srv.model
-        if srv.policy is not None and was is not None and srv.model != was:
-            # What was learnt is about another model's acceptance and step times.
-            self._event(srv.address, now, "model_changed", f"{was} -> {srv.model}")
-            log.warning("%s: the server now runs %s (was %s); starting a fresh policy",
-                        srv.address, srv.model, was)
-            srv.desired, srv.needs_push, srv.rejected_table = None, False, None
-            self._build_policy(srv, arms, warm=False)
-            srv.prev = None
-            srv.last_decision = now
         if srv.policy is None or arms != srv.arms:
             if srv.policy is not None:
                 self._event(srv.address, now, "arms_changed", f"{srv.arms} -> {arms}")
@@ -767,12 +754,29 @@ class Daemon:
                                      srv.model))
         return observations
 
+    def _note_model(self, srv: _Server, model: str | None, now: float) -> None:
+        """Keep the model the server reports. Another one than before drops the policy (what
+        it learnt is about the old model's acceptance and step times): the next reading
+        builds a fresh one, without a warm start. A reading that names none changes nothing."""
+        if model is None or model == srv.model:
+            return
+        was, srv.model = srv.model, model
+        if was is None or srv.policy is None:
+            return
+        self._event(srv.address, now, "model_changed", f"{was} -> {model}")
+        log.warning("%s: the server now runs %s (was %s); starting a fresh policy",
+                    srv.address, model, was)
+        srv.policy = None
+        srv.fresh_history = True
+        srv.desired, srv.needs_push, srv.rejected_table = None, False, None
+
     # --- learning and deciding --------------------------------------------------------------
 
-    def _build_policy(self, srv: _Server, arms: tuple[int, ...], *, warm: bool = True) -> None:
+    def _build_policy(self, srv: _Server, arms: tuple[int, ...]) -> None:
         """A fresh policy for ``arms``, warm-started from this server's history (with a pool:
-        the pool's shared policy for this model and these arms, built and warm-started once).
-        ``warm=False``: no warm start (the history is about another model)."""
+        the pool's shared policy for this model and these arms, built and warm-started once);
+        not warm-started right after the server changed model (``fresh_history``)."""
+        warm, srv.fresh_history = not srv.fresh_history, False
         srv.arms = arms
         if self.storage is not None:
             try:  # new tables are numbered above every version recorded for this server
@@ -1134,11 +1138,12 @@ class Daemon:
         self._pool_seen = {i for i in self._pool_seen if i > floor}
         with self._pool_lock:
             shared = list(self._pool_policies.items())
-        try:
-            mates = {rec.address: rec.model for rec in self.storage.servers()}
-        except StorageError as exc:
-            log.debug("pool %s: pool-mates' models not read this tick: %s", pool, exc)
-            mates = {}
+        mates: dict[str, str | None] = {}
+        if any(key[0] is not None for key, _ in shared):  # a model to tell mates apart by
+            try:
+                mates = {rec.address: rec.model for rec in self.storage.servers()}
+            except StorageError as exc:
+                log.debug("pool %s: pool-mates' models not read this tick: %s", pool, exc)
         for (model, arms), policy in shared:
             allowed = set(arms)
             # A pool-mate known to run another model teaches this policy nothing.
