@@ -1,0 +1,98 @@
+"""The real-server tier: SGLang 0.5.23's own server on CPU, our plugin and the daemon.
+
+Run it with ``scripts/real-sglang.sh`` (builds the environment, runs this folder). Elsewhere
+these tests skip, saying how to run them; with ``DYNSPEC_REQUIRE_REAL=1`` (the script, CI)
+any skip or collection skip here is a failure, and so is a run in which none passed.
+
+Servers are expensive (about 40 s to start on 2 cores), so tests share them: one session-wide
+plugin server (:func:`plugin_server`) for everything that does not need its own flags; the
+others are started by :func:`servers` and all of them are killed (process group, SIGKILL)
+when the session ends, whatever happened.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from _server import HERE, RealServer, ServerSpec, need_server_env  # this folder is on sys.path
+
+REQUIRE = os.environ.get("DYNSPEC_REQUIRE_REAL") == "1"
+RESULTS = Path(os.environ.get("DYNSPEC_REAL_RESULTS", HERE.parents[1] / "benchmarks" / "results"))
+
+
+def _ours(path: object) -> bool:
+    return str(path).startswith(str(HERE))
+
+
+def _fail_skips(report, where: str) -> None:
+    if REQUIRE and report.skipped and _ours(where):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = f"skipped under DYNSPEC_REQUIRE_REAL=1: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _fail_skips(outcome.get_result(), item.path)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    _fail_skips(outcome.get_result(), getattr(collector, "path", ""))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if not REQUIRE or exitstatus != 0:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    root = session.config.rootpath
+    passed = [
+        r
+        for r in (reporter.stats.get("passed", []) if reporter else [])
+        if _ours(root / r.nodeid.split("::")[0])
+    ]
+    if not passed:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        if reporter:
+            reporter.write_line("DYNSPEC_REQUIRE_REAL=1 but no real-server test passed", red=True)
+
+
+@pytest.fixture(scope="session")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("real")
+
+
+@pytest.fixture(scope="session")
+def servers(workdir) -> Iterator[Callable[..., RealServer]]:
+    """``start(name, **spec fields) -> RealServer``; every server is killed at session end."""
+    need_server_env()
+    started: list[RealServer] = []
+
+    def start(name: str, **fields) -> RealServer:
+        server = RealServer(ServerSpec(workdir=workdir / name, **fields))
+        started.append(server)
+        return server.start()
+
+    try:
+        yield start
+    finally:
+        for server in started:
+            server.kill()
+
+
+@pytest.fixture(scope="session")
+def plugin_server(servers) -> RealServer:
+    """The shared server: plugin loaded, arms 0/1/3, per-position acceptance 0.5."""
+    return servers("plugin", alpha=0.5)
+
+
+@pytest.fixture(scope="session")
+def results_dir() -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    return RESULTS
