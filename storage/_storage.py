@@ -96,9 +96,12 @@ def _explain(exc: BaseException) -> str:
     if "locked" in low or "could not obtain lock" in low:
         return f"the database is locked by another writer ({text})"
     if "readonly" in low or "read-only" in low or "read only" in low:
-        return f"the database is read-only ({text})"
+        # SQLite also needs to write its -wal/-journal files beside the database.
+        return (f"the database, or the folder it is in, is read-only for this user ({text}); "
+                "make both writable or point --db elsewhere")
     if "unable to open" in low:
-        return f"cannot open the database file ({text})"
+        return (f"cannot open the database file ({text}): its folder must exist and be "
+                "writable by this user")
     return text
 
 

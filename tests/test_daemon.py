@@ -215,8 +215,12 @@ def test_restart_no_negative_deltas_repush_and_event(tmp_path, caplog):
     new = d.policy_of(A).fed[fed_before:]
     assert [(o.b, o.decode_steps) for o in new] == [(2, 7)]  # since the restart, no negatives
     assert all(o.decode_steps > 0 and o.busy_s > 0 for o in d.policy_of(A).fed)
-    assert [e.kind for e in d.storage.events(server=A)] == ["restart"]
+    assert [e.kind for e in d.storage.events(server=A, kinds=["restart"])] == ["restart"]
+    # The table the server started on, each time: the report's baseline.
+    assert [e.detail for e in d.storage.events(server=A, kinds=["initial_table"])] == [
+        "v0 rest:k3", "v0 rest:k3"]
     assert "restarted" in caplog.text
+    assert "re-pushing" not in caplog.text
     assert d.storage.policy_versions()[-1].reason == "re-push after restart"
     assert d.storage.server(A).start_times == (500.0, 2000.0)
 
@@ -271,7 +275,8 @@ def test_server_down_at_start_backs_off_warns_once_and_recovers(tmp_path, caplog
     for _ in range(31):  # backoff is capped at 30 s: it is back within the cap
         tick(d, clock)
     assert d.status().servers[0].up is True
-    assert [e.kind for e in d.storage.events(server=A)] == ["outage", "recovered"]
+    assert [e.kind for e in d.storage.events(server=A, kinds=["outage", "recovered"])] == [
+        "outage", "recovered"]
 
 
 def test_backoff_spaces_out_attempts():

@@ -50,7 +50,7 @@ def test_live_view_shows_buckets_arms_estimates_push_and_own_footprint():
 def test_plain_lines_and_their_spacing(caplog):
     d, _ = ticked_daemon()
     (line,) = status_lines(d.status(), STATS)
-    assert line.startswith(f"{A} plugin v") and "greedy" in line and "steps" in line
+    assert line.startswith(f"{A} plugin runs v") and "greedy" in line and "steps" in line
     view = StatusView(Console(record=True), live=False, plain_every_s=10.0,
                       stats=lambda: STATS)
     status = d.status()

@@ -40,7 +40,9 @@ def test_server_info_has_sglang_args_and_the_dynspec_section(server, client):
     alias = client.get("/get_server_info").json()
     assert alias["internal_states"][0]["dynspec"]["arms"] == [0, 1, 3, 5]
     state = _dynspec(client)
-    assert state.table == ((None, 5),) and state.policy_version == 0
+    # The plugin starts where SGLang starts: the step /server_info advertises (union[len//2]).
+    assert info["speculative_num_steps"] == 3
+    assert state.table == ((None, 3),) and state.policy_version == 0
 
 
 def test_push_a_table_then_refuse_a_bad_one_and_a_nested_value(client):

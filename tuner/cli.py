@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -31,6 +32,11 @@ err_console = Console(stderr=True, highlight=False)
 
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a usage error as one line and exits 2."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        # "-1,3" is a (bad) value, not an option: let it reach the flag's own check.
+        self._negative_number_matcher = re.compile(r"^-\d[\d,.]*$")
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -184,7 +190,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     live = console.is_terminal
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
-    if live:  # log lines print above the live view instead of tearing it
+    if live and args.log_format == "text":  # log lines print above the live view
         from rich.logging import RichHandler
 
         root = logging.getLogger()
@@ -198,12 +204,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if stop.is_set():  # a second Ctrl-C: stop waiting for a clean exit
             raise KeyboardInterrupt
         logging.getLogger("tuner.cli").info(
-            "%s: leaving the greedy table and flushing the history", signal.Signals(signum).name
-        )
+            "%s: stopping; leaving each server on its greedy table, flushing the history",
+            signal.Signals(signum).name)
         stop.set()
 
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     metrics = metrics_server = None
+    rc = 0
     try:
         if args.metrics_port is not None:
             from tuner.tuner_metrics import DEFAULT_METRICS_ADDR, TunerMetrics
@@ -211,6 +218,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
             metrics = TunerMetrics()
             metrics_server = metrics.serve(port=args.metrics_port,
                                            addr=args.metrics_addr or DEFAULT_METRICS_ADDR)
+        elif args.metrics_addr is not None:
+            raise ConfigError("--metrics-addr needs --metrics-port")
         with StatusView(console, live=live) as view:
             if simcfg is not None:
                 from tuner.simulate import run_simulation
@@ -224,7 +233,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 with Storage(config.db_url) as storage:
                     daemon = Daemon(config, storage=storage, stop_event=stop,
                                     on_tick=view.update, metrics=metrics)
-                    daemon.run()
+                    rc = daemon.run()
                 summary = None
     finally:
         for s, h in previous.items():
@@ -234,20 +243,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if summary is not None:
         _print_simulation(summary)
     else:
-        status = view.last
-        for st in status.servers if status is not None else ():
-            greedy = st.snapshot.buckets.table(st.snapshot.chosen) if st.snapshot else None
-            left = st.server_version if st.server_version is not None else st.version
-            console.print(
-                f"{st.address}: left on v{left} "
-                f"{_fmt_table(st.server_table)}; greedy {_fmt_table(greedy)}; "
-                f"{st.pushes} pushes",
-                markup=False,
-            )
         from storage import redact_url
+        from tuner.status import exit_lines
 
+        lines, never = exit_lines(view.last, daemon.unclean)
+        for line in lines:
+            console.print(line, markup=False, soft_wrap=True)
         console.print(f"history: {redact_url(config.db_url)}", markup=False)
-    return 0
+        if never:  # nothing was learned from a server that never answered: not a success
+            rc = max(rc, 1)
+    return rc
 
 
 def _fmt_table(table: object) -> str:
@@ -283,7 +288,8 @@ def _print_simulation(s: object) -> None:
     console.print(
         f"expected goodput over this run's batch sizes: learned table "
         f"{s.learned_goodput:,.0f} tok/s ({pct(s.learned_goodput)} of the oracle's "
-        f"{s.oracle_goodput:,.0f}); the server's default table {s.default_goodput:,.0f} "
+        f"{s.oracle_goodput:,.0f}); the server's starting table "
+        f"({_fmt_table(s.start_table)}) {s.default_goodput:,.0f} "
         f"({pct(s.default_goodput)}); measured during the run, exploration included: "
         f"{s.measured_goodput:,.0f} tok/s",
         markup=False,
@@ -863,9 +869,17 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         DEFAULT_BENCH_WORKLOADS,
         DEFAULT_WARMUP_S,
     )
+    from tuner.bench_worlds import DEFAULT_WORLD_LOAD, DEFAULT_WORLD_POLICIES
+    from tuner.sim.worlds import parse_world_range
 
     def csv(text: str) -> tuple[str, ...]:
         return tuple(p.strip() for p in text.split(",") if p.strip())
+
+    def world_range(text: str) -> tuple[int, ...]:
+        try:
+            return parse_world_range(text)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
 
     p = sub.add_parser(
         "bench",
@@ -878,17 +892,26 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
             "then the targets. Deterministic for a seed. 'shift' = chat -> code -> hard over "
             "the schedule. A policy may carry parameters: 'threshold:max_batch=8', "
             "'sglang-real' runs SGLang's own AdaptiveSpeculativeParams when sglang is "
-            "importable."
+            "importable. --worlds runs generated worlds (MoE and dense cost surfaces, "
+            "acceptance shapes, diversity, drift, noise, shifts) instead of profiles and "
+            "workloads."
         ),
     )
-    p.add_argument("--profiles", type=csv, default=DEFAULT_BENCH_PROFILES, metavar="LIST",
+    p.add_argument("--profiles", type=csv, default=None, metavar="LIST",
                    help="profile names or files (default: the three shipped)")
-    p.add_argument("--workloads", type=csv, default=DEFAULT_BENCH_WORKLOADS, metavar="LIST",
+    p.add_argument("--workloads", type=csv, default=None, metavar="LIST",
                    help=f"default: {','.join(DEFAULT_BENCH_WORKLOADS)}")
-    p.add_argument("--load", default=DEFAULT_BENCH_LOAD, metavar="SCHEDULE",
-                   help=f"load schedule (default: {DEFAULT_BENCH_LOAD})")
-    p.add_argument("--policies", type=csv, default=DEFAULT_BENCH_POLICIES, metavar="LIST",
-                   help=f"default: {','.join(DEFAULT_BENCH_POLICIES)}")
+    p.add_argument("--worlds", type=world_range, default=None, metavar="RANGE",
+                   help="run generated worlds instead: N (worlds 0..N-1), A-B, or a list "
+                   "'3,7,10-12'; choose on 0-49, report on 50-99")
+    p.add_argument("--world-seed", type=int, default=0, metavar="S",
+                   help="generator seed of --worlds (default 0)")
+    p.add_argument("--load", default=None, metavar="SCHEDULE",
+                   help=f"load schedule (default: {DEFAULT_BENCH_LOAD}; with --worlds "
+                   f"{DEFAULT_WORLD_LOAD})")
+    p.add_argument("--policies", type=csv, default=None, metavar="LIST",
+                   help=f"default: {','.join(DEFAULT_BENCH_POLICIES)}; with --worlds "
+                   f"{','.join(DEFAULT_WORLD_POLICIES)}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--arms", type=_csv_ints, default=None, metavar="K,K,...",
                    help="arms the simulated server builds (default 0,1,3,5,7)")
@@ -912,11 +935,24 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     import math
 
     from policies import DEFAULT_POLICY
-    from tuner.bench import DEFAULT_ARMS, BenchConfig, run_bench, summarize_policies
+    from tuner.bench import (
+        DEFAULT_ARMS,
+        DEFAULT_BENCH_LOAD,
+        DEFAULT_BENCH_POLICIES,
+        DEFAULT_BENCH_PROFILES,
+        DEFAULT_BENCH_WORKLOADS,
+        BenchConfig,
+        run_bench,
+        summarize_policies,
+    )
 
+    if args.worlds is not None:
+        return _cmd_bench_worlds(args)
     config = BenchConfig(
-        profiles=args.profiles, workloads=args.workloads, load=args.load,
-        policies=args.policies, seed=args.seed, arms=args.arms or DEFAULT_ARMS,
+        profiles=args.profiles or DEFAULT_BENCH_PROFILES,
+        workloads=args.workloads or DEFAULT_BENCH_WORKLOADS, load=args.load or DEFAULT_BENCH_LOAD,
+        policies=args.policies or DEFAULT_BENCH_POLICIES, seed=args.seed,
+        arms=args.arms or DEFAULT_ARMS,
         warmup_s=args.warmup, duration_s=args.duration, max_running=args.max_running,
         skip_zero_draft_extend=args.skip_zero_draft_extend, jobs=args.jobs,
     )
@@ -979,6 +1015,44 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         console.print(f"  [{verdict}] {c.target}: {c.detail}",
                       markup=False, soft_wrap=True)
     console.print(f"{len(result.runs)} runs in {result.wall_s:.0f} s wall", markup=False)
+    if args.json is not None:
+        try:
+            args.json.write_text(json.dumps(result.to_json(), indent=1))
+        except OSError as exc:
+            raise ConfigError(f"--json {args.json}: {exc}") from exc
+        console.print(f"wrote {args.json}", markup=False)
+    return 0
+
+
+def _cmd_bench_worlds(args: argparse.Namespace) -> int:
+    import json
+
+    from tuner.bench import DEFAULT_ARMS
+    from tuner.bench_worlds import (
+        DEFAULT_WORLD_LOAD,
+        DEFAULT_WORLD_POLICIES,
+        WorldBenchConfig,
+        render_worlds,
+        run_worlds,
+    )
+
+    if args.profiles is not None or args.workloads is not None:
+        raise ConfigError("--worlds replaces --profiles and --workloads: give one or the other")
+    if args.duration is not None or args.max_running is not None:
+        raise ConfigError("--duration and --max-running do not apply to --worlds "
+                          "(each world has its own running-request cap)")
+    config = WorldBenchConfig(
+        worlds=args.worlds, world_seed=args.world_seed, load=args.load or DEFAULT_WORLD_LOAD,
+        policies=args.policies or DEFAULT_WORLD_POLICIES, seed=args.seed,
+        arms=args.arms or DEFAULT_ARMS, warmup_s=args.warmup,
+        skip_zero_draft_extend=args.skip_zero_draft_extend, jobs=args.jobs,
+    )
+    n = len(config.worlds) * len(config.policies)
+    err_console.print(f"bench: {n} runs on {len(config.worlds)} worlds, "
+                      f"{config.jobs or 'all'} cores ...", markup=False)
+    result = run_worlds(config)
+    for line in render_worlds(result):
+        console.print(line, markup=False, soft_wrap=True)
     if args.json is not None:
         try:
             args.json.write_text(json.dumps(result.to_json(), indent=1))
@@ -1275,6 +1349,21 @@ def _cmd_sglang_args(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_global_options(p: argparse.ArgumentParser, *, top: bool) -> None:
+    """--debug, --log-level and --log-format, accepted before or after the command (the
+    command's copies default to SUPPRESS so they never undo a value given before it)."""
+    from tuner.logging_setup import LOG_FORMATS, LOG_LEVELS
+
+    d = (lambda v: v) if top else (lambda v: argparse.SUPPRESS)
+    p.add_argument("--debug", action="store_true", default=d(False),
+                   help="show tracebacks and debug logs")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default=d(None),
+                   help="log threshold (default info; debug with --debug)")
+    p.add_argument("--log-format", choices=LOG_FORMATS, default=d("text"),
+                   help="text (default) or json: one JSON object per line on stderr, for "
+                   "journald and log shippers")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="dynspec-tuner",
@@ -1282,39 +1371,63 @@ def build_parser() -> argparse.ArgumentParser:
             "Learns, per batch-size bucket, how many speculative draft steps pay on an SGLang "
             "server, and hot-updates the server's per-batch decision."
         ),
+        epilog="Try: dynspec-tuner run --simulate   (no GPU, no server needed)",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    _add_global_options(parser, top=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for _, add in _COMMANDS:
         add(sub)
+    for p in sub.choices.values():
+        _add_global_options(p, top=False)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:  # a bare command: show what there is to run
+        parser.print_help(sys.stderr)
+        return 2
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.debug else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    from tuner.logging_setup import configure_logging
+
+    configure_logging(level=args.log_level, fmt=args.log_format, debug=args.debug)
+    where = f"dynspec-tuner {args.command}"
     try:
         return int(args.func(args) or 0)
     except ConfigError as exc:
         if args.debug:
             raise
-        err_console.print(f"dynspec-tuner {args.command}: error: {exc}", markup=False, soft_wrap=True)
+        err_console.print(f"{where}: error: {exc}", markup=False, soft_wrap=True)
         return 2
     except DynspecError as exc:
         if args.debug:
             raise
-        err_console.print(f"dynspec-tuner {args.command}: {exc}", markup=False, soft_wrap=True)
+        err_console.print(f"{where}: {exc}", markup=False, soft_wrap=True)
         return 1
     except KeyboardInterrupt:
         err_console.print("interrupted", markup=False)
         return 130
+    except OSError as exc:  # a file, folder, port or address given on the command line
+        if args.debug:
+            raise
+        err_console.print(f"{where}: error: {_os_error(exc)}", markup=False, soft_wrap=True)
+        return 2
+    except Exception as exc:  # a bug: one line, the traceback with --debug
+        if args.debug:
+            raise
+        err_console.print(
+            f"{where}: internal error: {type(exc).__name__}: {exc} (run with --debug for the "
+            "traceback, and please report it)", markup=False, soft_wrap=True)
+        return 1
+
+
+def _os_error(exc: OSError) -> str:
+    what = exc.strerror or str(exc) or type(exc).__name__
+    name = exc.filename if exc.filename is not None else None
+    return f"{name}: {what}" if name is not None else what
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ __all__ = [
     "SimulateConfig",
     "TunerConfig",
     "normalize_server",
+    "db_url_hint",
     "parse_duration",
     "read_api_key_file",
     "read_servers_file",
@@ -183,6 +184,14 @@ def parse_duration(text: str) -> float | None:
     return float(m.group(1)) * _UNIT_S[m.group(2)]
 
 
+def db_url_hint(text: str) -> str:
+    """What to write instead of ``text`` when it looks like a file path, not a URL."""
+    if text and "://" not in text and (text.endswith((".db", ".sqlite", ".sqlite3"))
+                                       or "/" in text or text.startswith(".")):
+        return f" (for an SQLite file write sqlite:///{Path(text).expanduser().resolve()})"
+    return ""
+
+
 def _positive(name: str, value: float) -> None:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
         raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
@@ -243,6 +252,7 @@ class TunerConfig:
         if not self.db_url or "://" not in self.db_url:
             raise ConfigError(
                 f"db must be a database URL such as {DEFAULT_DB_URL}, got {self.db_url!r}"
+                + db_url_hint(self.db_url)
             )
         if not self.policy:
             raise ConfigError("policy must be named")

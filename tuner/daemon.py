@@ -178,6 +178,7 @@ class _Server:
     server_version: int | None = None  # as last read or applied
     desired: Table | None = None  # what we want the server to run (re-pushed after restarts)
     needs_push: bool = False
+    repush: bool = False  # needs_push because the server restarted (the reason recorded)
     last_decision: float | None = None
     dry_last: Table | None = None
     started_at: float | None = None
@@ -426,6 +427,8 @@ class Daemon:
         self._rollup_failing = False
         self.rollups = 0  # roll-ups that ran (tests, status)
         self.rollups_failed = 0
+        # Servers shutdown could not leave on their greedy table: address -> why.
+        self.unclean: dict[str, str] = {}
 
     @staticmethod
     def _default_factory(config: TunerConfig) -> PolicyFactory:
@@ -448,7 +451,8 @@ class Daemon:
 
     def run(self) -> int:
         """Tick every ``interval_s`` until stopped or ``duration_s`` has passed, then
-        :meth:`shutdown`. Returns the process exit status (0)."""
+        :meth:`shutdown`. Returns the process exit status: 0, or 1 when a server could not
+        be left on its greedy table (see :attr:`unclean`)."""
         cfg = self.config
         start = self.clock()
         deadline = None if cfg.duration_s is None else start + cfg.duration_s
@@ -467,7 +471,7 @@ class Daemon:
                     break
         finally:
             self.shutdown()
-        return 0
+        return 1 if self.unclean else 0
 
     def _start(self) -> None:
         self._started = True
@@ -503,12 +507,14 @@ class Daemon:
                 or srv.read_only
                 or srv.mode != "plugin"
                 or srv.policy is None
-                or srv.down_since is not None
             ):
                 continue
             greedy = srv.policy.greedy()
-            if greedy != srv.server_table:
-                self._push(srv, greedy, "shutdown: greedy table", now)
+            if greedy == srv.server_table:
+                continue
+            if srv.down_since is None and self._push(srv, greedy, "shutdown: greedy table", now):
+                continue
+            self._unclean_stop(srv, greedy, now)
         # A last picture, so what is shown at exit is the table the servers were left on.
         self._publish(now)
         self._buffer.add_event(EventRecord(None, now, "stop", ""))
@@ -523,6 +529,18 @@ class Daemon:
                 srv.client.close()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+
+    def _unclean_stop(self, srv: _Server, greedy: Table, now: float) -> None:
+        """The greedy table could not be pushed at stop: the server may keep exploring."""
+        runs = (f"v{srv.server_version} {format_table(srv.server_table)}"
+                if srv.server_table is not None else "a table this daemon cannot confirm")
+        why = srv.last_error or "the push was refused"
+        detail = (f"could not leave the greedy table {format_table(greedy)} at stop ({why}); "
+                  f"the server may still run {runs}, possibly an exploration table: push it "
+                  "again (restart the tuner) or restart the server")
+        log.error("%s: %s", srv.address, detail)
+        self._event(srv.address, now, "stop_unclean", detail)
+        self.unclean[srv.address] = detail
 
     # --- one tick ---------------------------------------------------------------------------
 
@@ -634,6 +652,9 @@ class Daemon:
             # Whatever the server runs now (its default, a table installed at start) is the
             # baseline; only versions above it and above ours are someone else's.
             srv.baseline_version, srv.sent_version = server_version, 0
+            if srv.server_table is not None:  # the baseline of report's gain figures
+                self._event(srv.address, now, "initial_table",
+                            f"v{server_version} {format_table(srv.server_table)}")
         elif server_version > max(srv.baseline_version, srv.sent_version):
             top = max(states, key=lambda st: st.policy_version)
             self._foreign_push(srv, now, server_version, top.table)
@@ -714,10 +735,8 @@ class Daemon:
             self.metrics.record_restart(srv.address)
         if srv.desired is not None and not self.config.dry_run:
             srv.needs_push = True
-            log.warning("%s: server restarted (%s); re-pushing the current table",
-                        srv.address, detail)
-        else:
-            log.warning("%s: server restarted (%s)", srv.address, detail)
+            srv.repush = True
+        log.warning("%s: server restarted (%s)", srv.address, detail)
 
     def _enter_metrics_only(self, srv: _Server, now: float, exc: PluginMissingError) -> None:
         from tuner.metrics_only import MetricsSampler, metrics_only_notice
@@ -905,10 +924,14 @@ class Daemon:
         due = srv.last_decision is None or now - srv.last_decision >= self.config.decision_period_s
         if not due and not srv.needs_push:
             return 0
+        repush, srv.repush = srv.repush and srv.needs_push, False
+        before = srv.desired
         if due:
             srv.last_decision = now
             proposal = srv.policy.propose()
             reason = "greedy" if proposal == srv.policy.greedy() else "explore"
+            if repush and proposal == before:
+                reason = "re-push after restart"
             try:
                 proposal = validate_table(proposal, srv.arms)
             except ProtocolError as exc:  # a policy bug must never reach a server
@@ -919,7 +942,7 @@ class Daemon:
             srv.desired = proposal
         else:
             proposal = srv.desired
-            reason = "re-push after restart"
+            reason = "re-push after restart" if repush else "re-push: replicas disagree"
         if proposal is None:
             srv.needs_push = False
             return 0
@@ -932,6 +955,9 @@ class Daemon:
                          format_table(proposal), reason)
             return 0
         if proposal == srv.server_table:
+            if repush:
+                log.info("%s: the restarted server already runs %s; nothing to re-push",
+                         srv.address, format_table(proposal))
             srv.needs_push = False
             return 0
         if proposal == srv.rejected_table and now - srv.rejected_at < self.config.backoff_max_s:
@@ -1072,6 +1098,8 @@ class Daemon:
                 log.exception("history: unexpected error while writing")
             if self._storage_down_since is None:
                 self._storage_down_since = now
+                # Written with the buffered rows once the history is back.
+                buf.add_event(EventRecord(None, now, "storage_outage", str(exc)[:2000]))
                 log.warning("history unavailable: %s; learning goes on in memory and the "
                             "write is retried every tick (said once until it recovers)", exc)
             return False
@@ -1201,6 +1229,8 @@ class Daemon:
             buffered_rows=len(self._buffer),
             dropped_rows=self._buffer.dropped,
         )
+        if self.metrics is not None:
+            self.metrics.record_tick(history_ok=self._status.storage_ok)
         if self.on_tick is not None:
             self.on_tick(self._status)
 

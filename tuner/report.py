@@ -247,11 +247,13 @@ def open_history(url: str) -> Storage:
     from sqlalchemy.engine import make_url
 
     from storage import Storage, redact_url
+    from tuner.config import db_url_hint
 
     try:
         parsed = make_url(url)
     except Exception as exc:
-        raise ConfigError(f"--db {redact_url(url)}: not a database URL ({exc})") from None
+        raise ConfigError(f"--db {redact_url(url)}: not a database URL ({exc})"
+                          + db_url_hint(url)) from None
     if parsed.get_backend_name() == "sqlite":
         db = parsed.database
         if db and db != ":memory:" and not db.startswith("file:") and not Path(db).exists():

@@ -20,7 +20,7 @@ from storage import Storage
 from tuner.config import SimulateConfig, TunerConfig
 from tuner.daemon import Daemon, DaemonStatus
 from tuner.errors import ConfigError
-from tuner.protocol import Table, lookup
+from tuner.protocol import Table, format_table, lookup
 
 __all__ = [
     "DEFAULT_MIN_VERDICT_STEPS",
@@ -89,9 +89,10 @@ class SimulationSummary:
     measured_goodput: float  # emitted tokens per busy second over the whole run
     oracle_goodput: float  # expected, per-batch-size oracle, same occupancy
     learned_goodput: float  # expected, the greedy table, same occupancy
-    default_goodput: float  # expected, the server's default (largest arm everywhere)
+    default_goodput: float  # expected, the table the server started on (SGLang's step)
     observations: int
     db_url: str
+    start_table: Table = ((None, 0),)  # the table the simulated server started on
 
     def judged(self, min_steps: int = DEFAULT_MIN_VERDICT_STEPS) -> tuple[BucketVerdict, ...]:
         return tuple(v for v in self.buckets if v.steps >= min_steps)
@@ -109,6 +110,7 @@ def summarize(
     workload: object,
     graph_bs: tuple[int, ...],
     skip_zero_draft_extend: bool = False,
+    start_table: Table | None = None,
 ) -> tuple[tuple[BucketVerdict, ...], float, float, float, float, int]:
     """Per-bucket verdicts and run-wide goodputs from the stored history of ``server``.
 
@@ -116,6 +118,9 @@ def summarize(
     ran): the load decides how long the server sits at a batch size, and a table decides
     how many tokens it makes there. (Weighting by decode steps instead would favour arms with
     long steps.) Expected goodputs come from the oracle's closed form.
+
+    ``default`` is the table the server started on (``start_table``; the largest arm
+    everywhere when None).
 
     Returns:
         ``(verdicts, measured, oracle, learned, default, observations)``.
@@ -167,7 +172,8 @@ def summarize(
         )
     oracle_g = mean(occupancy, lambda b: max(arms, key=lambda k: (g[(b, k)], -k)))
     learned_g = mean(occupancy, lambda b: lookup(greedy, b))
-    default_g = mean(occupancy, lambda b: max(arms))
+    default_g = mean(occupancy, (lambda b: max(arms)) if start_table is None
+                     else (lambda b: lookup(start_table, b)))
     measured = emitted / busy if busy > 0 else math.nan
     return tuple(verdicts), measured, oracle_g, learned_g, default_g, rows
 
@@ -210,6 +216,7 @@ def run_simulation(
         )
     except ValueError as exc:  # e.g. a profile that cannot cost the running-request cap
         raise ConfigError(f"simulator: {exc}") from exc
+    start_table = server.core.table  # before the daemon's first push
     storage = Storage(config.db_url)
     wall0 = time.monotonic()
     try:
@@ -237,8 +244,9 @@ def run_simulation(
 
         daemon = Daemon(cfg, storage=storage, clock=clock, wait=wait, on_tick=on_tick,
                         stop_event=stop, metrics=metrics)
-        log.info("simulating %s / %s under load %s at x%g for %g simulated s",
-                 sim.profile, sim.workload, sim.load, sim.speed, sim.duration_s)
+        log.info("simulating %s / %s under load %s at x%g for %g simulated s; the server "
+                 "starts on %s", sim.profile, sim.workload, sim.load, sim.speed,
+                 sim.duration_s, format_table(start_table))
         daemon.run()
         simulated = server.engine.now - engine_t0
         with server.lock:
@@ -257,6 +265,7 @@ def run_simulation(
             workload=server.engine.workload,
             graph_bs=tuple(server.engine.graph_bs),
             skip_zero_draft_extend=server.engine.skip_zero_draft_extend,
+            start_table=start_table,
         )
         return SimulationSummary(
             server=address,
@@ -273,6 +282,7 @@ def run_simulation(
             oracle_goodput=oracle_g,
             learned_goodput=learned_g,
             default_goodput=default_g,
+            start_table=start_table,
             observations=rows,
             db_url=storage.url,
         )

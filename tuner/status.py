@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import psutil
@@ -30,6 +30,7 @@ __all__ = [
     "DEFAULT_PLAIN_EVERY_S",
     "ProcessStats",
     "StatusView",
+    "exit_lines",
     "process_stats",
     "render_status",
     "status_lines",
@@ -94,7 +95,10 @@ def _server_header(st: ServerStatus, now: float) -> Text:
     t.append(f"  {st.mode}", style="cyan")
     if st.arms:
         t.append(f"  arms {','.join(map(str, st.arms))}")
-    t.append(f"  v{st.version}  pushes {st.pushes}  restarts {st.restarts}")
+    if st.mode != "metrics-only":
+        runs = st.server_version if st.server_version is not None else st.version
+        t.append(f"  runs v{runs}")
+    t.append(f"  pushes {st.pushes}  restarts {st.restarts}")
     t.append(f"  steps {st.decode_steps:,}  now {_tok_s(st.interval_goodput)} tok/s")
     if st.last_push is not None:
         p = st.last_push
@@ -168,16 +172,63 @@ def status_lines(status: DaemonStatus, proc: ProcessStats | None = None) -> list
         if st.up is False:
             lines.append(f"{st.address} DOWN ({st.last_error}){own}{hist}")
             continue
-        table = format_table(st.server_table) if st.server_table else "?"
-        chosen = ""
-        if st.snapshot is not None:
-            chosen = " greedy " + format_table(st.snapshot.buckets.table(st.snapshot.chosen))
+        greedy = _greedy(st)
+        rate = (f"{_tok_s(st.interval_goodput)} tok/s" if math.isfinite(st.interval_goodput)
+                else "no decode steps this interval")
+        if st.mode == "metrics-only":
+            # No plugin: nothing is pushed and the server's table is not visible.
+            lines.append(
+                f"{st.address} metrics-only (no plugin; nothing pushed) | best so far "
+                f"{greedy or 'not known yet'} | {rate}, {st.decode_steps:,} steps, "
+                f"{st.restarts} restarts{own}{hist}")
+            continue
+        # The version the server reports, not the last one this daemon decided: after a
+        # restart the server runs its own default again.
+        runs = ("?" if st.server_table is None
+                else f"v{st.server_version if st.server_version is not None else st.version} "
+                f"{format_table(st.server_table)}")
         lines.append(
-            f"{st.address} {st.mode} v{st.version} runs {table} |{chosen} | "
-            f"{_tok_s(st.interval_goodput)} tok/s, {st.decode_steps:,} steps, "
+            f"{st.address} {st.mode} runs {runs} | greedy {greedy or '-'} | "
+            f"{rate}, {st.decode_steps:,} steps, "
             f"{st.pushes} pushes, {st.restarts} restarts{own}{hist}"
         )
     return lines
+
+
+def _greedy(st: ServerStatus) -> str | None:
+    if st.snapshot is None:
+        return None
+    return format_table(st.snapshot.buckets.table(st.snapshot.chosen))
+
+
+def exit_lines(
+    status: DaemonStatus | None, unclean: Mapping[str, str] | None = None
+) -> tuple[list[str], list[str]]:
+    """What ``run`` prints at exit, one line per server, and the servers that never answered
+    as SGLang (nothing was learned from them: ``run`` exits non-zero)."""
+    unclean = unclean or {}
+    lines: list[str] = []
+    never: list[str] = []
+    for st in status.servers if status is not None else ():
+        if st.mode == "connecting":
+            never.append(st.address)
+            lines.append(f"{st.address}: never answered as an SGLang server "
+                         f"({st.last_error or 'no reading finished'}); nothing learned or pushed")
+            continue
+        greedy = _greedy(st) or "-"
+        if st.mode == "metrics-only":
+            lines.append(f"{st.address}: metrics-only (no plugin), nothing pushed; best by the "
+                         f"data {greedy}")
+            continue
+        left = st.server_version if st.server_version is not None else st.version
+        table = format_table(st.server_table) if st.server_table else "a table not confirmed"
+        line = f"{st.address}: left on v{left} {table}; greedy {greedy}; {st.pushes} pushes"
+        if st.read_only:
+            line += " (observed only: another tuner pushes to it)"
+        if st.address in unclean:
+            line += "; NOT LEFT ON THE GREEDY TABLE (see the error above)"
+        lines.append(line)
+    return lines, never
 
 
 class StatusView:

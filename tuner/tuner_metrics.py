@@ -23,13 +23,20 @@ name                                            type    labels
 ``dynspec_outages_total``                       counter server — reachable -> unreachable
 ``dynspec_restarts_total``                      counter server
 ``dynspec_observations_total``                  counter server — observations recorded
+``dynspec_last_tick_age_seconds``               gauge   — since the loop last completed a tick
 =============================================== ======= =======================================
+
+The same port answers ``GET /healthz``: 200 with a small JSON body while the loop ticks, 503
+before the first tick or once it has not ticked for ``stale_after_s`` (a stuck loop), for
+Kubernetes probes and load balancers.
 """
 
 from __future__ import annotations
 
+import json
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -38,12 +45,16 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from policies import PolicySnapshot
+from tuner.errors import ConfigError
 
-__all__ = ["DEFAULT_METRICS_ADDR", "MetricsServer", "TunerMetrics"]
+__all__ = ["DEFAULT_METRICS_ADDR", "DEFAULT_STALE_AFTER_S", "MetricsServer", "TunerMetrics"]
 
 # Loopback by default: the metrics name servers and reveal load; expose them on purpose
 # (e.g. --metrics-addr 0.0.0.0) when Prometheus scrapes from another host.
 DEFAULT_METRICS_ADDR = "127.0.0.1"
+# /healthz turns 503 when the loop has not finished a tick for this long. A tick waits at
+# most about an interval plus an HTTP timeout; this leaves room for a slow database too.
+DEFAULT_STALE_AFTER_S = 60.0
 
 _COUNTERS = {
     "pushes": "Policy tables the server applied.",
@@ -70,10 +81,21 @@ class TunerMetrics:
         registry: where to register; a fresh ``CollectorRegistry`` when None.
     """
 
-    def __init__(self, *, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        registry: CollectorRegistry | None = None,
+        stale_after_s: float = DEFAULT_STALE_AFTER_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._lock = threading.Lock()
         self._servers: dict[str, _ServerState] = {}
+        self.stale_after_s = stale_after_s
+        self._clock = clock
+        self._last_tick: float | None = None
+        self._history_ok = True
+        self._extra: list[Callable[[], Iterator[Metric]]] = []
         self.registry.register(self)
 
     # --- what the daemon calls ---------------------------------------------------------------
@@ -116,13 +138,47 @@ class TunerMetrics:
             raise ValueError(f"observation count must be >= 0, got {n}")
         self._count(server, "observations", n)
 
+    def record_tick(self, *, history_ok: bool = True) -> None:
+        """The loop finished a tick (feeds ``/healthz``)."""
+        with self._lock:
+            self._last_tick = self._clock()
+            self._history_ok = bool(history_ok)
+
+    def add_collector(self, collect: Callable[[], Iterator[Metric]]) -> None:
+        """More families rendered on each scrape (e.g. the gain estimates)."""
+        with self._lock:
+            self._extra.append(collect)
+
+    def health(self) -> tuple[bool, dict[str, object]]:
+        """``(healthy, body)`` for ``/healthz``."""
+        with self._lock:
+            last, history_ok = self._last_tick, self._history_ok
+            up = sum(1 for s in self._servers.values() if s.up)
+            known = len(self._servers)
+        if last is None:
+            return False, {"status": "starting", "servers": known}
+        age = self._clock() - last
+        ok = age <= self.stale_after_s
+        return ok, {"status": "ok" if ok else "stale", "last_tick_age_s": round(age, 3),
+                    "servers_up": up, "servers": known, "history_ok": history_ok}
+
     def serve(self, *, port: int, addr: str = DEFAULT_METRICS_ADDR) -> MetricsServer:
-        """Serve ``/metrics`` on ``addr:port`` from a daemon thread (port 0 = any free one).
+        """Serve ``/metrics`` and ``/healthz`` on ``addr:port`` from a daemon thread (port 0 =
+        any free one).
 
         Raises:
-            OSError: the port cannot be bound (in use, no permission).
+            ConfigError: the port is out of range or cannot be bound (in use, no permission,
+                an address that is not this machine's), in one line naming both.
         """
-        return MetricsServer(self.registry, addr=addr, port=port)
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ConfigError(f"--metrics-port {port!r}: a port is 0..65535 (0 = any free one)")
+        try:
+            return MetricsServer(self.registry, addr=addr, port=port, health=self.health)
+        except (OSError, OverflowError, UnicodeError) as exc:  # gaierror is an OSError
+            reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+            raise ConfigError(
+                f"--metrics-port {port} --metrics-addr {addr}: cannot listen there ({reason})"
+            ) from exc
 
     # --- prometheus_client's collector protocol ------------------------------------------------
 
@@ -184,6 +240,15 @@ class TunerMetrics:
                 family.add_metric([name], s.counts[key])
         yield from (chosen, goodput, std, steps, version, up, plugin)
         yield from counters.values()
+        with self._lock:
+            last, extra = self._last_tick, list(self._extra)
+        if last is not None:
+            age = GaugeMetricFamily("dynspec_last_tick_age_seconds",
+                                    "Seconds since the tuning loop last finished a tick.")
+            age.add_metric([], max(0.0, self._clock() - last))
+            yield age
+        for collect in extra:
+            yield from collect()
 
     def describe(self) -> list[Metric]:
         # Nothing to pre-declare; avoids a collect() at register time.
@@ -215,12 +280,35 @@ class _QuietHandler(WSGIRequestHandler):
         pass  # one line per scrape on stderr would drown the daemon's own output
 
 
-class MetricsServer:
-    """A running ``/metrics`` endpoint; :meth:`close` stops it. Use as a context manager."""
+def _with_healthz(app: Callable, health: Callable[[], tuple[bool, dict[str, object]]] | None):
+    def wsgi(environ: dict, start_response: Callable) -> list[bytes]:
+        if environ.get("PATH_INFO") == "/healthz" and health is not None:
+            ok, body = health()
+            data = (json.dumps(body) + "\n").encode()
+            start_response("200 OK" if ok else "503 Service Unavailable",
+                           [("Content-Type", "application/json"),
+                            ("Content-Length", str(len(data)))])
+            return [data]
+        return app(environ, start_response)
 
-    def __init__(self, registry: CollectorRegistry, *, addr: str, port: int) -> None:
+    return wsgi
+
+
+class MetricsServer:
+    """A running ``/metrics`` (and ``/healthz``) endpoint; :meth:`close` stops it. Use as a
+    context manager."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        *,
+        addr: str,
+        port: int,
+        health: Callable[[], tuple[bool, dict[str, object]]] | None = None,
+    ) -> None:
         self._httpd = make_server(
-            addr, port, make_wsgi_app(registry), _ThreadingWSGIServer, handler_class=_QuietHandler
+            addr, port, _with_healthz(make_wsgi_app(registry), health), _ThreadingWSGIServer,
+            handler_class=_QuietHandler,
         )
         self._thread = threading.Thread(
             target=self._httpd.serve_forever, kwargs={"poll_interval": 0.1},

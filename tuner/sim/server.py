@@ -49,6 +49,7 @@ __all__ = [
     "HttpRequest",
     "HttpResponse",
     "SimServer",
+    "sglang_start_arm",
 ]
 
 log = logging.getLogger(__name__)
@@ -195,7 +196,10 @@ class SimServer:
 
     def _new_engine(self, load: Load | None) -> Engine:
         kw = self._engine_kw
-        core = PluginCore(kw["arms"], started_at=self._wall())
+        # A real server's plugin starts on SGLang's startup step (the speculative_num_steps
+        # /server_info advertises), so installing it changes nothing until a table arrives.
+        core = PluginCore(kw["arms"], started_at=self._wall(),
+                          default_arm=sglang_start_arm(kw["arms"]))
         return Engine(
             profile=kw["profile"],
             workload=kw["workload"],
@@ -242,7 +246,10 @@ class SimServer:
         self._threads = [t_http, t_drive]
         for t in self._threads:
             t.start()
-        log.info("simulated SGLang server on %s (speed x%g)", self.url, self.speed)
+        if self._clock is time.monotonic:
+            log.info("simulated SGLang server on %s (speed x%g)", self.url, self.speed)
+        else:  # run --simulate: the tuner's waits move this clock, which paces the speed
+            log.info("simulated SGLang server on %s (on the caller's clock)", self.url)
         return self
 
     def stop(self) -> None:
@@ -324,8 +331,7 @@ class SimServer:
     def server_args(self) -> dict[str, Any]:
         """The flat server args, named as SGLang names them."""
         eng = self.engine
-        arms = eng.arms
-        steps = arms[len(arms) // 2]
+        steps = sglang_start_arm(eng.arms)
         return {
             "model_path": self.model_name,
             "served_model_name": self.model_name,
@@ -606,6 +612,13 @@ SGLANG_SETTABLE = {
 
 
 # --- helpers --------------------------------------------------------------------------------
+
+
+def sglang_start_arm(arms: Iterable[int]) -> int:
+    """The step SGLang starts on without --speculative-num-steps: the middle of the sorted
+    candidate steps (``union[len // 2]``; sglang-integration.md, "Resolution")."""
+    ordered = sorted(set(arms))
+    return ordered[len(ordered) // 2]
 
 
 def _json_body(req: HttpRequest) -> Any:
