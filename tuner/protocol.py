@@ -28,6 +28,7 @@ __all__ = [
     "ProtocolError",
     "Table",
     "TableIndex",
+    "TreeShape",
     "counter_deltas",
     "decode_update",
     "encode_update",
@@ -325,6 +326,47 @@ def counter_deltas(
     return tuple(out)
 
 
+@dataclass(frozen=True, slots=True)
+class TreeShape:
+    """The draft tree a server's non-zero arm runs (``--speculative-eagle-topk`` > 1).
+
+    A tree server has two arms, ``0`` and ``steps``; the readout names the arm by its depth
+    ``steps`` and describes the tree here. Its counters keep the chain meaning of
+    ``drafted_tokens``: ``steps`` per request (the depth a verify can accept), not the
+    ``draft_tokens - 1`` tree nodes, so ``accepted / drafted`` stays a per-depth rate in [0, 1].
+    """
+
+    topk: int
+    steps: int
+    draft_tokens: int
+
+    def __post_init__(self) -> None:
+        for name in ("topk", "steps", "draft_tokens"):
+            _as_int(getattr(self, name), f"tree {name}")
+        if self.topk < 2:
+            raise ProtocolError(f"tree topk must be >= 2 (1 is a chain), got {self.topk}")
+        if self.steps < 1:
+            raise ProtocolError(f"tree steps must be >= 1, got {self.steps}")
+        if self.draft_tokens < 2:
+            raise ProtocolError(f"tree draft_tokens must be >= 2, got {self.draft_tokens}")
+
+    def to_json(self) -> dict[str, int]:
+        return {"topk": self.topk, "steps": self.steps, "draft_tokens": self.draft_tokens}
+
+    @classmethod
+    def from_json(cls, obj: object) -> TreeShape:
+        if not isinstance(obj, Mapping):
+            raise ProtocolError(f"tree must be an object, got {type(obj).__name__}")
+        try:
+            return cls(
+                topk=_as_int(obj["topk"], "tree topk"),
+                steps=_as_int(obj["steps"], "tree steps"),
+                draft_tokens=_as_int(obj["draft_tokens"], "tree draft_tokens"),
+            )
+        except KeyError as exc:
+            raise ProtocolError(f"tree lacks field {exc.args[0]!r}") from exc
+
+
 @dataclass(frozen=True)
 class DynspecState:
     """The ``"dynspec"`` section one DP replica reports."""
@@ -341,6 +383,8 @@ class DynspecState:
     untimed_steps: int = 0
     last_rejection: str | None = None
     protocol: int = PROTOCOL_VERSION
+    # Present only on a tree server (v1-compatible: readers that do not know it ignore it).
+    tree: TreeShape | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -359,6 +403,8 @@ class DynspecState:
             out["reason"] = self.reason
         if self.last_rejection is not None:
             out["last_rejection"] = self.last_rejection
+        if self.tree is not None:
+            out["tree"] = self.tree.to_json()
         return out
 
     @classmethod
@@ -394,6 +440,9 @@ class DynspecState:
             version = _as_int(obj["policy_version"], "policy_version")
             if version < 0:
                 raise ProtocolError(f"policy_version must be >= 0, got {version}")
+            tree = None if obj.get("tree") is None else TreeShape.from_json(obj["tree"])
+            if tree is not None and tree.steps not in arms:
+                raise ProtocolError(f"tree steps {tree.steps} is not among arms {list(arms)}")
             hooks_live = obj.get("hooks_live", True)
             if not isinstance(hooks_live, bool):
                 # bool("false") is True: a malformed flag must not read as live hooks.
@@ -413,6 +462,7 @@ class DynspecState:
                     None if obj.get("last_rejection") is None else str(obj["last_rejection"])
                 ),
                 protocol=proto,
+                tree=tree,
             )
         except KeyError as exc:
             raise ProtocolError(f"dynspec section lacks field {exc.args[0]!r}") from exc

@@ -1,7 +1,7 @@
 """The hooks that put :class:`~tuner.plugin.core.PluginCore` inside SGLang 0.5.23.
 
 SGLang calls :func:`register` in every process it starts (entry point group
-``sglang.srt.plugins``, name ``dynspec``). It registers four hooks with SGLang's
+``sglang.srt.plugins``, name ``dynspec``). It registers its hooks with SGLang's
 ``HookRegistry``; SGLang applies them right after:
 
 - **policy** (class REPLACE of ``AdaptiveSpeculativeParams``): ``get_steps_for_batch`` looks the
@@ -15,6 +15,8 @@ SGLang calls :func:`register` in every process it starts (entry point group
   feeds the core's per-``(b, k)`` counters on TP rank 0; an AFTER hook on
   ``process_batch_result_prefill`` tells the core that a prefill (or mixed) forward launched,
   which ends, and so times, the decode step before it.
+- **trees** (:mod:`tuner.plugin._tree`): four config-time hooks that let a top-k > 1 server
+  run adaptively with the arms 0 and its configured tree.
 
 Nothing here imports SGLang at module level, and no hook lets an exception reach SGLang:
 a server with a broken hook runs as stock SGLang and its readout says why.
@@ -35,6 +37,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from tuner.plugin import _tree
 from tuner.plugin.core import PluginCore
 from tuner.protocol import (
     KEY_PREFIX,
@@ -75,7 +78,10 @@ TARGET_SET_STATE = f"{_STATE_MOD}.{_STATE_CLS}.set_internal_state"
 TARGET_GET_STATE = f"{_STATE_MOD}.{_STATE_CLS}.get_internal_state"
 TARGET_DECODE = f"{_RESULT_MOD}.{_RESULT_CLS}.process_batch_result_decode"
 TARGET_PREFILL = f"{_RESULT_MOD}.{_RESULT_CLS}.process_batch_result_prefill"
-HOOK_TARGETS = (TARGET_POLICY, TARGET_SET_STATE, TARGET_GET_STATE, TARGET_DECODE, TARGET_PREFILL)
+HOOK_TARGETS = (
+    TARGET_POLICY, TARGET_SET_STATE, TARGET_GET_STATE, TARGET_DECODE, TARGET_PREFILL,
+    *_tree.TREE_HOOK_TARGETS,
+)
 
 # SGLang's idle-server health check sends one-token generates with these rids; they are not
 # workload and SGLang's own step accounting skips them too.
@@ -142,7 +148,10 @@ def _default_arm(arms: tuple[int, ...], initial_steps: int) -> int:
 
 def _new_core(arms: list[int], initial_steps: int, env: Mapping[str, str]) -> PluginCore:
     core = PluginCore(
-        arms, started_at=_STARTED_AT, default_arm=_default_arm(tuple(sorted(arms)), initial_steps)
+        arms,
+        started_at=_STARTED_AT,
+        default_arm=_default_arm(tuple(sorted(arms)), initial_steps),
+        tree=_tree.tree_shape_from_spec(arms, initial_steps),
     )
     path = env.get(POLICY_FILE_ENV)
     if path:
@@ -207,6 +216,7 @@ def build_policy_class(base: type) -> type:
             self.dynspec: PluginCore | None = None
             self._dynspec_record: Callable[..., None] | None = None
             self._dynspec_forward: Callable[..., None] | None = None
+            self._dynspec_width_arm: dict[int, int] = {}
             try:
                 arms = [int(s) for s in self.candidate_steps]
                 core = _new_core(arms, int(initial_steps), os.environ)
@@ -218,13 +228,15 @@ def build_policy_class(base: type) -> type:
                         len(self._slots),
                     )
                 self._dynspec_default = core.steps_for_batch(1)
+                self._dynspec_width_arm = core.width_arm
                 if _is_tp_rank0():
                     self._dynspec_record = core.record_decode
                     self._dynspec_forward = core.record_forward
                 self.dynspec = core
                 logger.info(
-                    "dynspec: deciding speculative steps per batch; arms %s, table %s",
+                    "dynspec: deciding speculative steps per batch; arms %s%s, table %s",
                     list(core.arms),
+                    "" if core.tree is None else f" (tree {core.tree.to_json()})",
                     format_table(core.table),
                 )
             except Exception as exc:  # stock behaviour rather than a dead server
@@ -368,7 +380,7 @@ def decode_result_hook(result_: Any, self: Any, batch: Any, result: Any, *args: 
                 return None
         record(
             b,
-            draft_tokens - 1,
+            params._dynspec_width_arm.get(draft_tokens, draft_tokens - 1),
             result.get_num_generated_tokens(b),
             result.num_correct_drafts,
             launch_ts,
@@ -483,6 +495,8 @@ def readout(scheduler: Any, state: Mapping[str, Any] | None = None) -> dict[str,
     core = core_of_worker(getattr(scheduler, "draft_worker", None))
     if core is not None:
         missing = _missing_hooks()
+        if core.tree is not None:
+            missing += _tree.missing_tree_hooks()
         reason = f"hooks not in place: {', '.join(missing)}" if missing else None
         out = core.readout(hooks_live=not missing, reason=reason)
         # busy_s to the microsecond (SGLang's own step-time resolution): a float sum's full
@@ -531,6 +545,7 @@ def register() -> None:
         HookRegistry.register(TARGET_GET_STATE, get_internal_state_hook, HookType.AFTER)
         HookRegistry.register(TARGET_DECODE, decode_result_hook, HookType.AFTER)
         HookRegistry.register(TARGET_PREFILL, prefill_result_hook, HookType.AFTER)
+        _tree.register_tree_hooks(HookRegistry, HookType)
     except Exception as exc:
         _RT.register_error = f"{type(exc).__name__}: {exc}"
         logger.exception("dynspec: could not register the SGLang hooks; SGLang runs as stock")

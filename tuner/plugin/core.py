@@ -17,6 +17,7 @@ from tuner.protocol import (
     ProtocolError,
     Table,
     TableIndex,
+    TreeShape,
     decode_update,
     validate_table,
 )
@@ -113,6 +114,7 @@ class PluginCore:
         started_at: wall-clock start of the server (tells the daemon about restarts).
         table: the initial table; defaults to one row using ``default_arm``.
         default_arm: the arm for the default table; defaults to the largest arm.
+        tree: the draft tree of a top-k > 1 server, whose arms are ``0`` and ``tree.steps``.
     """
 
     def __init__(
@@ -122,10 +124,21 @@ class PluginCore:
         started_at: float,
         table: Table | None = None,
         default_arm: int | None = None,
+        tree: TreeShape | None = None,
     ) -> None:
         self.arms = tuple(sorted(set(int(a) for a in arms)))
         if not self.arms or self.arms[0] < 0:
             raise ValueError(f"arms must be a non-empty set of ints >= 0, got {self.arms}")
+        if tree is not None and not set(self.arms) <= {0, tree.steps}:
+            raise ValueError(
+                f"a tree server's arms are 0 and its depth {tree.steps}, got {list(self.arms)}"
+            )
+        self.tree = tree
+        # A step's width (draft tokens it verified) -> the arm it ran: a chain verifies k + 1
+        # tokens, the tree its configured node count. The telemetry hook looks steps up here.
+        self.width_arm: dict[int, int] = {k + 1: k for k in self.arms}
+        if tree is not None:
+            self.width_arm[tree.draft_tokens] = tree.steps
         if default_arm is None:
             default_arm = self.arms[-1]
         if default_arm not in self.arms:
@@ -147,6 +160,10 @@ class PluginCore:
 
     def steps_for_batch(self, batch_size: int) -> int:
         return self._index(batch_size)
+
+    def arm_of_width(self, draft_tokens: int) -> int:
+        """The arm a step that verified ``draft_tokens`` tokens per request ran."""
+        return self.width_arm.get(draft_tokens, draft_tokens - 1)
 
     def record_decode(
         self,
@@ -233,6 +250,7 @@ class PluginCore:
             untimed_steps=self.telemetry.untimed_steps,
             last_rejection=self.last_rejection,
             protocol=PROTOCOL_VERSION,
+            tree=self.tree,
         )
 
     def readout(self, *, hooks_live: bool = True, reason: str | None = None) -> dict[str, Any]:
