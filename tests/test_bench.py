@@ -112,3 +112,73 @@ def test_default_policies_include_sglangs_own_class_skipped_with_a_reason_withou
     res = run_bench(cfg)
     assert [r.policy for r in res.runs] == ["model"]
     assert res.skipped == (f"{SGLANG_REAL}: sglang is not importable here",)
+
+
+def _tick(goodputs: dict[int, float], greedy: int, arms=(0, 1, 3)) -> bool:
+    """One convergence tick of a bucket at one batch size; whether it counts as converged."""
+    from tuner.bench import _BucketTrack, _track
+
+    track = _BucketTrack()
+    _track(track, 0, [(4, 1.0)], ((None, greedy),), lambda b: b,
+           lambda b, k, mix, t: goodputs[k], lambda b, mix, t: max(goodputs.values()),
+           0.0, arms)
+    return track.episode is not None and track.episode.good_since is not None
+
+
+def test_convergence_counts_either_of_two_near_tied_arms():
+    # Within 2 % of the oracle: converged as before.
+    assert _tick({0: 50.0, 1: 100.0, 3: 98.5}, greedy=3)
+    # Two best 2.5 % apart (inside the 3 % tie): either is converged, the third is not.
+    tie = {0: 50.0, 1: 100.0, 3: 97.5}
+    assert _tick(tie, greedy=1) and _tick(tie, greedy=3) and not _tick(tie, greedy=0)
+    # 4 % apart: no tie, and 4 % off the oracle is not converged.
+    assert not _tick({0: 50.0, 1: 100.0, 3: 96.0}, greedy=3)
+    # The third arm within 3 % of the second does not make it one of the two best.
+    assert not _tick({0: 95.0, 1: 100.0, 3: 97.5}, greedy=0)
+
+
+def test_cli_bench_worlds_prints_each_world_and_the_worst_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "worlds.json"
+    rc = main(["bench", "--worlds", "2-3", "--world-seed", "1", "--load", "12:1,12:16",
+               "--policies", f"thompson,{DEFAULT_POLICY}", "--warmup", "4", "--jobs", "1",
+               "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "world-2 (seed 1)" in text and "world-3 (seed 1)" in text
+    assert "worst world: world-" in text and "of 2" in text
+    data = json.loads(out.read_text())
+    assert data["default_policy"] == DEFAULT_POLICY
+    assert [w["index"] for w in data["worlds"]] == [2, 3]
+    assert [(r["world"], r["policy"]) for r in data["runs"]] == [
+        (2, "thompson"), (2, DEFAULT_POLICY), (3, "thompson"), (3, DEFAULT_POLICY)]
+    for run in data["runs"]:
+        assert run["profile"] == f"world-{run['world']}" and "explore_pct" in run
+        assert [ph["concurrency"] for ph in run["phases"]] == [1, 16]
+        assert all(ph["pct_oracle"] is None or 0 <= ph["pct_oracle"] <= 100
+                   for ph in run["phases"])
+    mine = next(s for s in data["summary"]["policies"] if s["policy"] == DEFAULT_POLICY)
+    assert mine["worlds"] == 2 and 0.0 <= mine["share_ok"] <= 1.0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--worlds", "0-1", "--profiles", "h100-llama8b"], "--worlds replaces"),
+    (["--worlds", "0-1", "--max-running", "8"], "do not apply"),
+    (["--worlds", "5-2"], "world range"),
+    (["--worlds", "2", "--policies", "nope"], "nope"),
+])
+def test_cli_bench_worlds_bad_flags_exit_2(argv, message, capsys):
+    try:
+        rc = main(["bench", *argv])
+    except SystemExit as exc:  # argparse's own usage errors
+        rc = exc.code
+    assert rc == 2
+    assert message in capsys.readouterr().err
+
+
+def test_world_runs_repeat_exactly_and_do_not_depend_on_jobs():
+    from tuner.bench_worlds import WorldBenchConfig, run_worlds
+
+    cfg = WorldBenchConfig(worlds=(4,), load="10:1,10:8", policies=("ucb", "thompson"),
+                           warmup_s=2.0, jobs=1)
+    a, b = run_worlds(cfg), run_worlds(dataclasses.replace(cfg, jobs=2))
+    assert [_figures(r) for r in a.runs] == [_figures(r) for r in b.runs]

@@ -15,7 +15,11 @@ Per run and load phase the bench reports: % of oracle (after warm-up and includi
 tokens lost to exploration (time spent off the greedy arm, at the greedy arm's goodput minus
 the explored arm's), table switches, and p50/p99 time per output token of the requests that
 finished in the phase. Per bucket: the traffic seconds and decode steps until the greedy arm
-stayed within 2 % of the oracle (counted again after each change of the workload's mix).
+stayed within 2 % of the oracle — or, where the bucket's two best arms are within 3 % of each
+other, was either of them (counted again after each change of the workload's mix).
+
+Generated worlds (:mod:`tuner.sim.worlds`) run through :func:`run_one`'s ``world`` argument;
+:mod:`tuner.bench_worlds` runs a range of them.
 
 Every run of a bench uses the same seed, so all policies see the same requests. Runs are
 independent and spread over ``jobs`` processes; the results do not depend on ``jobs``.
@@ -41,8 +45,10 @@ from tuner.sim.load import ClosedLoop, parse_load
 from tuner.sim.oracle import expected_goodput, workload_emitted
 from tuner.sim.profiles import CostProfile, load_profile
 from tuner.sim.workloads import Workload, get_workload
+from tuner.sim.worlds import World
 
 __all__ = [
+    "CONVERGE_TIE",
     "CONVERGE_TOLERANCE",
     "DEFAULT_ARMS",
     "DEFAULT_BENCH_LOAD",
@@ -84,8 +90,10 @@ DEFAULT_BENCH_DECISION_PERIOD_S = 2.0
 DEFAULT_WARMUP_S = 30.0
 # Duration of open-loop loads (poisson, trace), which have no phases of their own.
 DEFAULT_OPEN_LOOP_S = 600.0
-# "Converged" = the greedy arm within 2 % of the oracle's goodput.
+# "Converged" = the greedy arm within 2 % of the oracle's goodput, or, where the bucket's two
+# best arms are within 3 % of each other, either of them (issue 13: a near tie is not a miss).
 CONVERGE_TOLERANCE = 0.02
+CONVERGE_TIE = 0.03
 SGLANG_REAL = "sglang-real"
 
 TARGETS = (
@@ -95,7 +103,8 @@ TARGETS = (
     "< 99 % of oracle",
     "h200: default after warm-up >= 1.2x threshold and sglang-default at concurrency >= 64, "
     ">= 1.5x threshold at concurrency 8-64 (where the oracle reaches that ratio)",
-    "default policy converges (greedy within 2 % of oracle) in <= 60 s of traffic per bucket",
+    "default policy converges (greedy within 2 % of oracle, or either of two arms within 3 %) "
+    "in <= 60 s of traffic per bucket",
     "full default bench <= 600 s wall on 2 cores",
 )
 
@@ -217,7 +226,8 @@ def _static_defaults(name: str, params: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class BucketConvergence:
-    """How long a bucket took until its greedy arm stayed within 2 % of the oracle.
+    """How long a bucket took until its greedy arm stayed within 2 % of the oracle (or, when
+    its two best arms are within 3 % of each other, was one of them).
 
     ``traffic_s`` counts interval ticks in which the bucket ran decode steps; ``steps`` its
     decode steps. Both are the worst over the bucket's converged episodes (a new episode
@@ -452,13 +462,22 @@ def run_one(
     duration_s: float | None = None,
     max_running: int | None = None,
     skip_zero_draft_extend: bool = False,
+    world: World | None = None,
 ) -> RunResult:
-    """Run one policy through one scenario; see the module docstring for the scoring."""
+    """Run one policy through one scenario; see the module docstring for the scoring.
+
+    With ``world``, the world's cost profile, traffic and step-time noise replace
+    ``profile`` and ``workload`` (which then only label the run).
+    """
     wall0 = time.perf_counter()
-    prof = load_profile(profile)
     phases = _load_phases(load, duration_s, seed)
     total = phases[-1][1]
-    wl = _workload_for(workload, total)
+    if world is not None:
+        prof: CostProfile = world.profile()
+        wl = world.workload(total)
+    else:
+        prof = load_profile(profile)
+        wl = _workload_for(workload, total)
     peak = max((c for _, _, c in phases if c is not None), default=256)
     cap = max_running or prof.max_running or max(peak, 1)
     if prof.max_batch is not None:
@@ -477,7 +496,8 @@ def run_one(
         pol = _build_policy(policy, arms, seed, prof, wl)
     engine = Engine(profile=prof, workload=wl, core=core, max_running=cap, seed=seed,
                     load=parse_load(load, seed=seed),
-                    skip_zero_draft_extend=skip_zero_draft_extend)
+                    skip_zero_draft_extend=skip_zero_draft_extend,
+                    step_noise=world.noise if world is not None else 0.0)
 
     mixes = list(wl.phases)
     gcache: dict[tuple[int, int, int], float] = {}
@@ -565,7 +585,7 @@ def run_one(
         else:
             current = observed_table()
         for j, seen in per_bucket.items():
-            _track(tracks[j], mix, seen, current, engine, good, best, mid)
+            _track(tracks[j], mix, seen, current, engine.padded, good, best, mid, arms)
         if pol is not None and t_next >= next_decision - 1e-9:
             next_decision += decision_period_s
             if push(pol.propose()):
@@ -626,9 +646,9 @@ def _pct(got: float, best: float) -> float:
 
 
 def _track(
-    track: _BucketTrack, mix: int, seen: list[tuple[int, float]], table: Table, engine: Engine,
-    good: Callable[[int, int, int, float], float], best: Callable[[int, int, float], float],
-    t: float,
+    track: _BucketTrack, mix: int, seen: list[tuple[int, float]], table: Table,
+    padded: Callable[[int], int], good: Callable[[int, int, int, float], float],
+    best: Callable[[int, int, float], float], t: float, arms: Sequence[int],
 ) -> None:
     """One tick of a bucket's convergence bookkeeping."""
     if track.episode is not None and track.episode.mix != mix:
@@ -640,9 +660,18 @@ def _track(
     occ = track.episode.occupancy
     for b, busy in seen:
         occ[b] = occ.get(b, 0.0) + busy
-    got = sum(busy * good(b, lookup(table, engine.padded(b)), mix, t) for b, busy in occ.items())
+    greedy = {b: lookup(table, padded(b)) for b in occ}
+    got = sum(busy * good(b, greedy[b], mix, t) for b, busy in occ.items())
     top = sum(busy * best(b, mix, t) for b, busy in occ.items())
     ok = top <= 0 or got >= (1 - CONVERGE_TOLERANCE) * top
+    if not ok and len(arms) > 1:
+        # The bucket's arms over its traffic; a near tie of the best two is either's win.
+        by_arm = sorted(
+            ((sum(busy * good(b, k, mix, t) for b, busy in occ.items()), k) for k in arms),
+            reverse=True,
+        )
+        (g1, k1), (g2, k2) = by_arm[0], by_arm[1]
+        ok = g2 >= (1 - CONVERGE_TIE) * g1 and set(greedy.values()) <= {k1, k2}
     ep = track.episode
     if ok and ep.good_since is None:
         ep.good_since = (track.ticks, track.steps)

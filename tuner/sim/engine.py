@@ -12,6 +12,13 @@ What one iteration does, as SGLang 0.5.23's scheduler does it:
   class mean) and accepts draft position ``i`` with probability ``α·δ^(i−1)`` given the earlier
   ones; it emits ``1 + accepted`` tokens. Drawn with one uniform per request per step from
   precomputed survival rows, vectorised with numpy.
+- **Other shapes and drift.** A request class may carry an acceptance shape (non-chain
+  position profiles, acceptance drifting over the request's output; :mod:`tuner.sim.acceptance`):
+  its requests' survival rows come from the shape, and drifting ones are recomputed before
+  each drafting step from their progress.
+- **Step-time noise.** With ``step_noise`` σ > 0 each decode step's time is multiplied by a
+  mean-one lognormal factor ``exp(σ·Z − σ²/2)`` (its own random stream), so expectations —
+  and the oracle — are unchanged while the telemetry is noisy.
 - **k = 0.** By default SGLang still runs the draft extend (a cost, acceptance unharmed).
   With ``skip_zero_draft_extend`` (``SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1``) the extend is
   skipped and every request that decoded at ``k = 0`` drafts from stale state afterwards: its
@@ -36,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from tuner.plugin.core import PluginCore
+from tuner.sim.acceptance import AcceptanceShape
 from tuner.sim.graphs import cuda_graph_bs, pad_batch_size
 from tuner.sim.load import Load, NoLoad
 from tuner.sim.profiles import CostProfile, load_profile
@@ -82,6 +90,7 @@ class Request:
         "load",
         "on_finish",
         "delta",
+        "shape",
     )
 
     def __init__(
@@ -108,6 +117,7 @@ class Request:
         self.finished_at = math.nan
         self.load = load
         self.on_finish = on_finish
+        self.shape: AcceptanceShape | None = None
 
     @property
     def tpot_s(self) -> float:
@@ -219,6 +229,7 @@ class Engine:
         graph_max_bs: largest captured CUDA-graph batch size (default ``max_running``).
         started_at: the core's wall-clock start stamp (default: now).
         decode_log_interval: decode steps between gauge refreshes.
+        step_noise: σ of the mean-one lognormal factor on each decode step's time (0: none).
 
     Raises:
         ProfileRangeError: the profile cannot cost a batch the engine may run.
@@ -240,6 +251,7 @@ class Engine:
         graph_max_bs: int | None = None,
         started_at: float | None = None,
         decode_log_interval: int = DEFAULT_DECODE_LOG_INTERVAL,
+        step_noise: float = 0.0,
     ) -> None:
         self.profile = load_profile(profile) if isinstance(profile, str) else profile
         self.workload = get_workload(workload) if isinstance(workload, str) else workload
@@ -256,6 +268,8 @@ class Engine:
             raise ValueError(f"max_running must be >= 1, got {cap}")
         if not 0.0 <= cold_factor <= 1.0:
             raise ValueError(f"cold_factor must be in [0, 1], got {cold_factor}")
+        if not (math.isfinite(step_noise) and 0.0 <= step_noise <= 1.0):
+            raise ValueError(f"step_noise must be in [0, 1], got {step_noise}")
         if prefill_token_budget < 1:
             raise ValueError(f"prefill_token_budget must be >= 1, got {prefill_token_budget}")
         self.max_running = int(cap)
@@ -282,9 +296,12 @@ class Engine:
         self._delta_pow: dict[str, np.ndarray] = {}
 
         ss = np.random.SeedSequence(seed)
-        req_ss, acc_ss = ss.spawn(2)
+        # A third stream for noise: the first two stay what they were without it.
+        req_ss, acc_ss, noise_ss = ss.spawn(3)
         self._req_rng = np.random.default_rng(req_ss)
         self._acc_rng = np.random.default_rng(acc_ss)
+        self.step_noise = float(step_noise)
+        self._noise_rng = np.random.default_rng(noise_ss)
 
         self.now = 0.0
         self.counters = EngineCounters()
@@ -299,6 +316,7 @@ class Engine:
         self._surv = np.zeros((cap_n, self._kmax), dtype=np.float64)  # P(A >= i) per request
         self._cold = np.zeros((cap_n, self._kmax), dtype=np.float64)  # same, stale draft state
         self._stale = np.zeros(cap_n, dtype=bool)
+        self._drift = np.zeros(cap_n, dtype=bool)  # rows recomputed from progress each step
         self._pending: tuple[int, int, int, int, float, int, bool] | None = None
         self._last_decode: tuple[int, float, int, int] | None = None  # (b, launch, iter, gen)
         self._log: dict[str, list[float]] = {
@@ -364,6 +382,7 @@ class Engine:
             load,
             on_finish,
         )
+        req.shape = rc.shape
         self._next_rid += 1
         self.counters.requests_submitted += 1
         self._waiting.append(req)
@@ -483,6 +502,11 @@ class Engine:
         self._surv[n0 : n0 + m] = alphas[:, None] ** i[None, :] * dpow
         self._cold[n0 : n0 + m] = (alphas[:, None] * self.cold_factor) ** i[None, :] * dpow
         self._stale[n0 : n0 + m] = False
+        self._drift[n0 : n0 + m] = [r.shape is not None and r.shape.drift != 0 for r in admit]
+        for j, r in enumerate(admit):
+            if r.shape is not None:
+                self._surv[n0 + j] = r.shape.survival(r.alpha, self._kmax)
+                self._cold[n0 + j] = r.shape.survival(r.alpha * self.cold_factor, self._kmax)
         self._rem[n0 : n0 + m] = [r.output_tokens - 1 for r in admit]
         for r in admit:
             r.admitted_at = launch
@@ -517,9 +541,14 @@ class Engine:
             mo[3] += pbn * pbn
             mo[4] += pbn * gap_us
             mo[5] += prev[3]
+        if self.step_noise:
+            z = self._noise_rng.standard_normal()
+            dt *= math.exp(self.step_noise * z - self.step_noise**2 / 2)
         self._flush()
         rem = self._rem[:n]
         if k > 0:
+            if self._drift[:n].any():
+                self._redrift(n)
             acc = self._accept(n, k)
             accepted = int(acc.sum())
             emitted = accepted + n
@@ -567,6 +596,24 @@ class Engine:
         u = self._acc_rng.random(n)
         return (u[:, None] < self._surv[:n, :k]).sum(axis=1)
 
+    def _redrift(self, n: int) -> None:
+        """Survival rows of drifting requests at their current share of output emitted."""
+        idx = np.flatnonzero(self._drift[:n])
+        running = self._running
+        groups: dict[AcceptanceShape, list[int]] = {}
+        for i in idx.tolist():
+            groups.setdefault(running[i].shape, []).append(i)  # type: ignore[arg-type]
+        for shape, rows in groups.items():
+            ix = np.asarray(rows)
+            out = np.array([running[i].output_tokens for i in rows], dtype=np.float64)
+            alpha = np.array([running[i].alpha for i in rows])
+            a = shape.drifted(alpha, 1.0 - self._rem[ix] / out)
+            cold = shape.survival(a * self.cold_factor, self._kmax)
+            self._cold[ix] = cold
+            self._surv[ix] = np.where(
+                self._stale[ix, None], cold, shape.survival(a, self._kmax)
+            )
+
     def _log_tick(self, n: int, k: int) -> None:
         c = self.counters
         span = self.now - c._win_start
@@ -596,6 +643,7 @@ class Engine:
         self._surv[:m] = self._surv[:n][keep]
         self._cold[:m] = self._cold[:n][keep]
         self._stale[:m] = self._stale[:n][keep]
+        self._drift[:m] = self._drift[:n][keep]
         c = self.counters
         log = self._log
         now = self.now

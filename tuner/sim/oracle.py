@@ -10,6 +10,10 @@ busy second, the quantity the telemetry measures. ``E[emitted]`` is taken per re
 default (see :func:`workload_emitted`): in a running batch, requests that accept less stay
 longer, so the batch's mean acceptance sits slightly below the per-request mean. For a shifting
 workload pass ``t`` (the mix in force then); without it the mix is averaged over the period.
+
+A request class with an acceptance ``shape`` (not a chain, or drifting within a request;
+:mod:`tuner.sim.acceptance`) is taken in expectation by quadrature over the per-request Beta
+and the request's progress.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from functools import lru_cache
 import numpy as np
 
 from policies import table_from_arms
+from tuner.sim.acceptance import AcceptanceShape, beta_nodes, shape_emitted_mean
 from tuner.sim.graphs import cuda_graph_bs, pad_batch_size
 from tuner.sim.profiles import CostProfile
 from tuner.sim.workloads import LengthDist, Workload, get_workload
@@ -62,9 +67,12 @@ def expected_emitted(alpha: float, delta: float, k: int, *, kappa: float | None 
 
 @lru_cache(maxsize=8192)
 def _inv_emitted_mean(alpha: float, delta: float, k: int, kappa: float | None) -> float:
-    """``E[1 / emitted]`` over the per-request α distribution (midpoint rule on 4000 points)."""
+    """``E[1 / emitted]`` over the per-request α distribution (midpoint rule on 4000 points
+    for a bounded density; a density singular at an end, as at small κ, needs quadrature)."""
     if kappa is None:
         return 1.0 / expected_emitted(alpha, delta, k)
+    if min(kappa * alpha, kappa * (1.0 - alpha)) < 1.0:
+        return shape_emitted_mean(AcceptanceShape(delta=delta), alpha, kappa, k, inverse=True)
     n = 4000
     x = (np.arange(n) + 0.5) / n
     a, b = kappa * alpha, kappa * (1.0 - alpha)
@@ -129,14 +137,20 @@ def workload_emitted(
         if weighting == "request":
             for w, cls in mix:
                 alpha, delta = cls.alpha_delta(family)
-                total += pw * w * expected_emitted(alpha, delta, k, kappa=kappa)
+                if cls.shape is not None:
+                    total += pw * w * shape_emitted_mean(cls.shape, alpha, kappa, k)
+                else:
+                    total += pw * w * expected_emitted(alpha, delta, k, kappa=kappa)
             continue
         tokens = steps = 0.0
         for w, cls in mix:
             alpha, delta = cls.alpha_delta(family)
             d = w * _decode_tokens_mean(cls.output)
             tokens += d
-            steps += d * _inv_emitted_mean(alpha, delta, k, kappa)
+            if cls.shape is not None:
+                steps += d * shape_emitted_mean(cls.shape, alpha, kappa, k, inverse=True)
+            else:
+                steps += d * _inv_emitted_mean(alpha, delta, k, kappa)
         total += pw * tokens / steps
     return total
 

@@ -9,8 +9,8 @@ Per request the engine draws ``α ~ Beta(κ·ᾱ, κ·(1−ᾱ))`` around the cl
 §3.3, κ ≈ 20), so acceptance varies between requests as it does in real traffic.
 
 Names for :func:`get_workload`: ``chat``, ``code``, ``summarise`` (alias ``summarize``),
-``hard``, ``mixed`` (a fixed blend) and ``shift`` (chat → code → hard, 10 minutes each, then
-again). A custom shifting workload is written ``"chat:300,code:120,hard:60"`` (class:seconds).
+``hard``, ``mixed`` (a fixed blend), ``diverse`` (the same blend with requests far more unlike
+each other: κ = 4) and ``shift`` (chat → code → hard, 10 minutes each, then again). A custom shifting workload is written ``"chat:300,code:120,hard:60"`` (class:seconds).
 """
 
 from __future__ import annotations
@@ -22,10 +22,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tuner.errors import ConfigError
+from tuner.sim.acceptance import AcceptanceShape
 
 __all__ = [
     "CLASSES",
     "DEFAULT_KAPPA",
+    "DIVERSE_KAPPA",
     "DEFAULT_SHIFT_PHASE_S",
     "LengthDist",
     "Phase",
@@ -37,6 +39,9 @@ __all__ = [
 
 # Beta concentration of the per-request α around its class mean (anchors §3.3).
 DEFAULT_KAPPA = 20.0
+# The ``diverse`` preset: requests that differ far more from each other (one request's α
+# sd ≈ 0.19 around a mean of 0.775, against 0.09 at κ = 20).
+DIVERSE_KAPPA = 4.0
 DEFAULT_SHIFT_PHASE_S = 600.0
 
 
@@ -73,12 +78,15 @@ class RequestClass:
         acceptance: family -> ``(α, δ)``; α the mean first-position acceptance, δ the decay
             per further position.
         prompt, output: token-count distributions.
+        shape: per-position acceptance other than the chain, and drift within a request
+            (:mod:`tuner.sim.acceptance`); None = the chain ``α·δ^(i−1)`` of ``acceptance``.
     """
 
     name: str
     acceptance: Mapping[str, tuple[float, float]]
     prompt: LengthDist
     output: LengthDist
+    shape: AcceptanceShape | None = None
 
     def alpha_delta(self, family: str) -> tuple[float, float]:
         try:
@@ -216,6 +224,7 @@ def _presets() -> dict[str, Workload]:
             ),
         ),
     )
+    out["diverse"] = Workload(name="diverse", phases=out["mixed"].phases, kappa=DIVERSE_KAPPA)
     out["shift"] = Workload(
         name="shift",
         phases=tuple(
