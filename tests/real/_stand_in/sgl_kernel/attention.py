@@ -95,15 +95,18 @@ def extend_visibility(
 
     The committed prefix is always visible. Among the extend tokens the rule is causal
     (``is_causal``), all-visible (encoder-only layers), or, when ``mask_rows`` is given, that
-    mask: SGLang's speculative tree mask for this request, flat, ``extend_len`` rows of
-    ``prefix_len + extend_len`` columns (the Triton custom-mask convention; the kernel takes
-    only the draft-token columns of each row).
+    mask: SGLang's speculative tree mask for this request, flat, either ``extend_len`` rows of
+    ``extend_len`` draft-token columns (``TreeMaskMode.QLEN_ONLY``, what SGLang builds on CPU:
+    ``speculative/eagle_utils.py``, ``default_tree_mask_mode``) or ``extend_len`` rows of
+    ``prefix_len + extend_len`` columns (``FULL_MASK``, the Triton custom-mask convention); the
+    kernel reads only the draft-token columns of each row.
     """
     total = prefix_len + extend_len
     if mask_rows is not None:
-        rows = mask_rows.reshape(extend_len, total).bool()
+        width = total if mask_rows.numel() == extend_len * total else extend_len
+        rows = mask_rows.reshape(extend_len, width).bool()
         visible = torch.ones((extend_len, total), dtype=torch.bool)
-        visible[:, prefix_len:] = rows[:, prefix_len:]
+        visible[:, prefix_len:] = rows[:, width - extend_len :]
         return visible
     if not is_causal:
         return torch.ones((extend_len, total), dtype=torch.bool)
@@ -139,7 +142,10 @@ def extend_attention_cpu(
     ``[extend_start_loc[i], +extend_seq_lens[i])`` attend to its prefix (read from the KV
     buffers, ``seq_len - extend_len`` tokens) and to the extend tokens themselves (from
     ``k_extend``/``v_extend``) as :func:`extend_visibility` allows. ``custom_mask`` is the
-    flat tree mask of every request, ``extend_len * seq_len`` entries each, concatenated.
+    flat tree mask of every request concatenated, ``extend_len * seq_len`` entries each
+    (full layout) or ``extend_len ** 2`` (SGLang's CPU layout, QLEN_ONLY); a mask longer than
+    the QLEN_ONLY layout needs and not exactly the full one is read as QLEN_ONLY from its
+    start (SGLang's one-node verify at steps = 0 hands an all-True, oversized buffer).
 
     Upstream: ``sgl-kernel/csrc/cpu/extend.cpp`` (``extend_attention_cpu``; its stored version
     has no mask parameter, so the mask layout follows SGLang's Triton extend kernel).
@@ -149,6 +155,14 @@ def extend_attention_cpu(
                      is_cross_attn=is_cross_attn, encoder_lens=encoder_lens)  # fmt: skip
     if k_extend is None or v_extend is None:
         raise NotImplementedError(f"sgl_kernel stand-in: {op} has no KV-shared-layer port")
+    full_layout = custom_mask is not None and custom_mask.numel() == int(
+        (extend_seq_lens.long() * seq_lens.long()).sum()
+    )
+    if custom_mask is not None and not full_layout:
+        need = int((extend_seq_lens.long() ** 2).sum())
+        if custom_mask.numel() < need:
+            raise RuntimeError(f"{op}: custom_mask has {custom_mask.numel()} entries, the "
+                               f"tree needs {need}")  # fmt: skip
     mask_offset = 0
     for i, (rpi, seq_len, ext_len, start) in enumerate(
         zip(req_pool_indices.tolist(), seq_lens.tolist(), extend_seq_lens.tolist(),
@@ -163,8 +177,9 @@ def extend_attention_cpu(
         values = torch.cat([_dequant(v_buffer[slots], v_scale, op), v_extend[rows].float()])
         mask_rows = None
         if custom_mask is not None:
-            mask_rows = custom_mask[mask_offset : mask_offset + ext_len * seq_len]
-            mask_offset += ext_len * seq_len
+            size = ext_len * (seq_len if full_layout else ext_len)
+            mask_rows = custom_mask[mask_offset : mask_offset + size]
+            mask_offset += size
         visible = extend_visibility(prefix_len, ext_len, is_causal=is_causal, mask_rows=mask_rows)
         out = _attend(q_extend[rows], keys, values, visible, sm_scale, logit_cap)
         o_extend[rows] = out.to(o_extend.dtype)
