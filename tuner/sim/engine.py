@@ -16,6 +16,8 @@ What one iteration does, as SGLang 0.5.23's scheduler does it:
   position profiles, acceptance drifting over the request's output; :mod:`tuner.sim.acceptance`):
   its requests' survival rows come from the shape, and drifting ones are recomputed before
   each drafting step from their progress.
+- **Trees.** When the core carries a tree (top-k > 1; arms 0 and its depth ``S``), arm ``S``
+  costs and accepts as :mod:`tuner.sim.tree` models it.
 - **Step-time noise.** With ``step_noise`` σ > 0 each decode step's time is multiplied by a
   mean-one lognormal factor ``exp(σ·Z − σ²/2)`` (its own random stream), so expectations —
   and the oracle — are unchanged while the telemetry is noisy.
@@ -47,6 +49,7 @@ from tuner.sim.acceptance import AcceptanceShape
 from tuner.sim.graphs import cuda_graph_bs, pad_batch_size
 from tuner.sim.load import Load, NoLoad
 from tuner.sim.profiles import CostProfile, load_profile
+from tuner.sim.tree import TreeArm
 from tuner.sim.workloads import CLASSES, RequestClass, Workload, get_workload
 
 __all__ = [
@@ -292,6 +295,12 @@ class Engine:
                 self._cost[(pb, k)] = self.profile.step_s(
                     pb, k, skip_zero_draft_extend=self.skip_zero_draft_extend
                 )
+        # A tree server's non-zero arm is its tree (tuner.sim.tree): its own cost, and its
+        # acceptance lifted from the chain rows in _accept.
+        self._tree = TreeArm(core.tree) if core.tree is not None else None
+        if self._tree is not None:
+            for pb in set(self._pad[1:]):
+                self._cost[(pb, self._tree.steps)] = self._tree.step_s(self.profile, pb)
         self._kmax = max(max(self.arms), 1)
         self._delta_pow: dict[str, np.ndarray] = {}
 
@@ -594,7 +603,10 @@ class Engine:
         positions it clears is a draw of the chain's accepted length.
         """
         u = self._acc_rng.random(n)
-        return (u[:, None] < self._surv[:n, :k]).sum(axis=1)
+        surv = self._surv[:n, :k]
+        if self._tree is not None and k == self._tree.steps:
+            surv = self._tree.lift_survival(surv)
+        return (u[:, None] < surv).sum(axis=1)
 
     def _redrift(self, n: int) -> None:
         """Survival rows of drifting requests at their current share of output emitted."""
