@@ -68,3 +68,47 @@ def test_a_malformed_tree_descriptor_is_refused(tree, match):
     out["tree"] = tree
     with pytest.raises(ProtocolError, match=match):
         DynspecState.from_json(out)
+
+
+def test_sglang_flags_for_a_tree_server():
+    from tuner.plugin.launch import sglang_flags
+
+    flags = sglang_flags(config_path="a.json", arms=[0, 2], topk=4, draft_tokens=16)
+    assert flags[:8] == ["--speculative-algorithm", "EAGLE3", "--speculative-eagle-topk", "4",
+                         "--speculative-adaptive", "--speculative-adaptive-config", "a.json",
+                         "--speculative-num-steps"]
+    assert flags[8:12] == ["2", "--speculative-num-draft-tokens", "16", "--max-running-requests"]
+    assert "--speculative-num-draft-tokens" not in sglang_flags(config_path="a.json", arms=[0, 1])
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(arms=[0, 1, 2], topk=4, draft_tokens=16), "two arms, 0 and its depth"),
+        (dict(arms=[2], topk=4, draft_tokens=16), "two arms, 0 and its depth"),
+        (dict(arms=[0, 2], topk=4), "draft-token count"),
+        (dict(arms=[0, 2], topk=4, draft_tokens=22), "verifies 2..21 draft tokens"),
+        (dict(arms=[0, 2], topk=4, draft_tokens=8, initial_steps=0), "starts on its depth 2"),
+        (dict(arms=[0, 1, 3], draft_tokens=4), "draft tokens are a tree's"),
+        (dict(arms=[0, 1], topk=0), "top-k must be >= 1"),
+    ],
+)
+def test_sglang_flags_refuse_an_unswitchable_tree(kw, match):
+    from tuner.plugin.launch import sglang_flags
+
+    with pytest.raises(ValueError, match=match):
+        sglang_flags(config_path="a.json", **kw)
+
+
+def test_sglang_args_cli_for_a_tree(tmp_path, capsys):
+    from tuner.cli import main
+
+    out = tmp_path / "tree.json"
+    assert main(["sglang-args", "--arms", "0,2", "--topk", "4", "--draft-tokens", "16",
+                 "--out", str(out)]) == 0  # fmt: skip
+    assert json.loads(out.read_text()) == {"1": {"candidate_steps": [0, 2]}}
+    printed = capsys.readouterr().out
+    assert "--speculative-eagle-topk 4" in printed and "--speculative-num-draft-tokens 16" in printed
+    assert main(["sglang-args", "--arms", "0,1,2", "--topk", "4", "--draft-tokens", "16",
+                 "--out", str(tmp_path / "bad.json")]) == 2  # fmt: skip
+    assert "two arms" in capsys.readouterr().err

@@ -1309,6 +1309,12 @@ def _add_sglang_args(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--algorithm", choices=ALGORITHMS, default=DEFAULT_ALGORITHM)
     p.add_argument("--initial-steps", type=int, metavar="K",
                    help="the arm the server starts on (default: SGLang's, the middle arm)")
+    p.add_argument("--topk", type=int, default=1, metavar="K",
+                   help="--speculative-eagle-topk; above 1 a tree, switched on and off per "
+                   "batch: --arms 0,S with S its depth (default 1, a chain)")
+    p.add_argument("--draft-tokens", type=int, metavar="N",
+                   help="a tree's node count (--speculative-num-draft-tokens); needed with "
+                   "--topk above 1")
     p.add_argument("--max-running-requests", type=int, default=DEFAULT_MAX_RUNNING_REQUESTS,
                    metavar="N", help="raise SGLang's EAGLE default of 48 so large-batch "
                    f"buckets occur (default {DEFAULT_MAX_RUNNING_REQUESTS}; 0 = leave it out)")
@@ -1326,6 +1332,7 @@ def _cmd_sglang_args(args: argparse.Namespace) -> int:
         flags = sglang_flags(
             config_path=out, algorithm=args.algorithm, initial_steps=args.initial_steps,
             max_running_requests=args.max_running_requests or None, arms=arms,
+            topk=args.topk, draft_tokens=args.draft_tokens,
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
