@@ -106,7 +106,7 @@ def test_bad_shape_file_names_the_file_and_the_problem(tmp_path: Path, content: 
 
 
 def test_unknown_shape_name_lists_the_presets():
-    with pytest.raises(ConfigError, match="llama3-8b, qwen2.5-32b"):
+    with pytest.raises(ConfigError, match="kimi-k2, llama3-8b, mixtral-8x7b, qwen2.5-32b, qwen3-30b-a3b"):
         resolve_shape("llama9")
 
 

@@ -37,7 +37,13 @@ def _write(tmp_path, name: str, lines: list[object]) -> str:
 
 
 def test_shipped_profiles_load():
-    assert set(list_profiles()) == {"h200-llama8b", "h100-llama8b", "seed-kimi-pcie"}
+    assert set(list_profiles()) == {
+        "h200-llama8b",
+        "h100-llama8b",
+        "seed-kimi-pcie",
+        "h200-moe-qwen3-30b-a3b",
+        "h200-moe-mixtral-8x7b",
+    }
     for name in list_profiles():
         p = load_profile(name)
         assert p.name == name
@@ -276,3 +282,48 @@ def test_a_file_in_the_calibration_format_loads(tmp_path):
     assert prof.name == "h200-llama8b-bf16-ctx1024"
     assert prof.acceptance == "eagle3-dense"
     assert prof.step_s(48, 5) == load_profile("h200-llama8b").step_s(48, 5)
+
+
+# --- mixture-of-experts tables --------------------------------------------------------------
+
+MOE_TABLES = ("h200-moe-qwen3-30b-a3b", "h200-moe-mixtral-8x7b")
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+
+
+@pytest.mark.parametrize("name", MOE_TABLES)
+def test_shipped_moe_tables_are_the_measured_files(name):
+    shipped = resources.files("tuner.sim").joinpath("profiles", f"{name}.jsonl").read_text()
+    assert _cost_rows(shipped) == _cost_rows((RESULTS / f"{name}.jsonl").read_text())
+    prof = load_profile(name)
+    assert isinstance(prof, TableProfile) and len(prof.batch_sizes) == 12
+    info = json.loads(shipped.splitlines()[0])
+    assert info["experts"] > 0 and info["gpu"] == "NVIDIA H200" and info["complete"] is True
+
+
+def _gain(prof, b: int, arms=(0, 1, 2, 3, 4, 5, 7), workload: str = "chat") -> tuple[int, float]:
+    """Best arm at ``b`` and its goodput over no speculation."""
+    from tuner.sim.oracle import expected_goodput, oracle_arm
+
+    k = oracle_arm(prof, workload, b, arms)
+    return k, expected_goodput(prof, workload, b, k) / expected_goodput(prof, workload, b, 0)
+
+
+@pytest.mark.parametrize("name", MOE_TABLES)
+def test_moe_tables_pay_least_at_few_requests_and_most_at_mid_batch(name):
+    """The MoE signature: a verify of k+1 tokens per request touches more experts at few
+    requests, so speculation's gain rises from 1 request to 16-32, and the deepest arm is best
+    somewhere in the middle; a dense table's gain only falls with the batch."""
+    prof = load_profile(name)
+    gains = {b: _gain(prof, b) for b in (1, 4, 8, 16, 32, 64, 256)}
+    mid = max(gains[16][1], gains[32][1])
+    assert mid > 1.3 * gains[1][1]
+    assert mid > gains[256][1]
+    assert any(gains[b][0] == 7 for b in (8, 16, 32))
+    dense = load_profile("h200-llama8b")
+    assert _gain(dense, 1)[1] > _gain(dense, 16)[1] > _gain(dense, 64)[1]
+
+
+def test_moe_verify_costs_most_relative_to_decode_at_few_requests():
+    prof = load_profile("h200-moe-qwen3-30b-a3b")
+    ratio = {b: prof.step_s(b, 7) / prof.step_s(b, 0) for b in (4, 32)}
+    assert ratio[4] > 1.4 * ratio[32]

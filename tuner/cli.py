@@ -549,6 +549,13 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--replays", type=int, default=DEFAULT_REPLAYS, help="timed graph replays")
     g.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     g.add_argument(
+        "--layers",
+        type=int,
+        metavar="N",
+        help="target layers to build and time, scaled up to the model's (default: all, or as "
+        "many as fit in half the GPU's free memory)",
+    )
+    g.add_argument(
         "--draft-timing",
         choices=("before", "after"),
         default="before",
@@ -617,7 +624,12 @@ def _calibrate_gpu(args: argparse.Namespace) -> int:
     try:
         grid = CalibrationGrid(batch_sizes=args.batch_sizes, tokens_per_seq=args.tokens_per_seq)
         settings = CalibrationSettings(
-            ctx=args.ctx, dtype=args.dtype, warmup=args.warmup, replays=args.replays, seed=args.seed
+            ctx=args.ctx,
+            dtype=args.dtype,
+            warmup=args.warmup,
+            replays=args.replays,
+            seed=args.seed,
+            layers=args.layers,
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc

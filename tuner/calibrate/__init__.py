@@ -3,8 +3,8 @@
 Two sources:
 
 - :func:`measure` (in :mod:`tuner.calibrate.gpu`, the package's only torch importer, loaded
-  lazily) times a random-weight decoder of a given shape and its EAGLE-3-style draft on a CUDA
-  device, over a grid of batch sizes and tokens per sequence.
+  lazily) times a random-weight decoder of a given shape (dense, or mixture of experts) and its
+  EAGLE-3-style draft on a CUDA device, over a grid of batch sizes and tokens per sequence.
 - :func:`fit_observations` / :func:`fit_from_storage` turn what a live server reported (busy
   seconds per decode step at each ``(b, k)``) into a table of the same format, so the
   simulator replays that server.
@@ -36,10 +36,14 @@ from tuner.calibrate._grid import (
     CalibrationGrid,
     CalibrationSettings,
 )
+from tuner.calibrate._moe import expected_experts, touched_experts
 from tuner.calibrate._shapes import (
     DEFAULT_DRAFT_VOCAB,
+    KIMI_K2,
     LLAMA3_8B,
+    MIXTRAL_8X7B,
     QWEN25_32B,
+    QWEN3_30B_A3B,
     SHAPES,
     ModelShape,
     resolve_shape,
@@ -61,8 +65,11 @@ __all__ = [
     "DEFAULT_TOKENS_PER_SEQ",
     "DEFAULT_WARMUP",
     "DTYPES",
+    "KIMI_K2",
     "LLAMA3_8B",
+    "MIXTRAL_8X7B",
     "QWEN25_32B",
+    "QWEN3_30B_A3B",
     "SHAPES",
     "CalibrationGrid",
     "CalibrationSettings",
@@ -71,12 +78,14 @@ __all__ = [
     "FitResult",
     "ModelShape",
     "StepCell",
+    "expected_experts",
     "fit_from_storage",
     "fit_observations",
     "measure",
     "read_table",
     "resolve_shape",
     "shape_from_mapping",
+    "touched_experts",
     "write_table",
 ]
 

@@ -113,6 +113,9 @@ class CalibrationSettings:
     point_cooldown_s: float = DEFAULT_POINT_COOLDOWN_S
     batch_cooldown_s: float = DEFAULT_BATCH_COOLDOWN_S
     seed: int = 0
+    # Target layers to build and time; None: all, or as many as fit in half the device's free
+    # memory. Fewer than the model has: the layers' time is scaled up (measure's docstring).
+    layers: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.ctx, bool) or not isinstance(self.ctx, int) or self.ctx < 0:
@@ -123,6 +126,10 @@ class CalibrationSettings:
             raise ValueError(f"warmup must be >= 1, got {self.warmup}")
         if self.replays < 1:
             raise ValueError(f"replays must be >= 1, got {self.replays}")
+        if self.layers is not None and (
+            isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 1
+        ):
+            raise ValueError(f"layers must be a positive integer, got {self.layers!r}")
         if self.rounds < 1:
             raise ValueError(f"rounds must be >= 1, got {self.rounds}")
         for name in ("point_cooldown_s", "batch_cooldown_s"):

@@ -13,6 +13,9 @@ Attention packs the ``group`` query heads that share a KV head together with the
 a sequence into one query block of ``q * group`` rows (``[b, kv_heads, q * group, head_dim]``),
 as serving kernels do, so the KV cache is read once per sequence and KV head. A plain
 grouped-query call would read it once per query head.
+
+A mixture-of-experts shape replaces each target layer's MLP with a router and the experts its
+``b * q`` tokens touch (:mod:`tuner.calibrate._moe_torch`); the draft layer stays dense.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from functools import partial
 from typing import Any
 
 from tuner.calibrate._grid import CalibrationGrid, CalibrationSettings
+from tuner.calibrate._moe_torch import layer_routes, moe_forward, moe_weights
 from tuner.calibrate._shapes import ModelShape
 from tuner.calibrate._table import CostRow
 from tuner.errors import ConfigError, DynspecError
@@ -188,10 +192,12 @@ class _Decoder:
     """Random weights and the two forwards; tensors live on one CUDA device."""
 
     def __init__(self, torch: Any, shape: ModelShape, dtype: Any, opts: ForwardOptions, seed: int,
-                 device: str = "cuda"):
+                 device: str = "cuda", layers: int | None = None):
         self.t = torch
         self.F = torch.nn.functional
         self.shape = shape
+        # Target layers built and timed; fewer than the shape's when scaled (see measure).
+        self.n_layers = shape.layers if layers is None else layers
         self.dtype = dtype
         self.opts = opts
         dev = self.dev = torch.device(device)
@@ -212,7 +218,7 @@ class _Decoder:
 
         nq, nkv = s.heads * s.head_dim, s.kv_heads * s.head_dim
 
-        def layer(qkv_in: int, layout: str, fused: bool) -> dict[str, Any]:
+        def layer(qkv_in: int, layout: str, fused: bool, moe: bool = False) -> dict[str, Any]:
             # "layout" and "fused" travel with the layer: the draft's may differ from the target's.
             L = {
                 "layout": layout,
@@ -220,22 +226,32 @@ class _Decoder:
                 "ln1": ones(s.hidden),
                 "wo": proj(s.hidden, nq, layout),
                 "ln2": ones(s.hidden),
-                "wd": proj(s.hidden, s.inter, layout),
             }
             if fused:
                 L["wqkv"] = proj(s.qkv_out, qkv_in, layout)
                 L["bqkv"] = w(s.qkv_out) if s.qkv_bias else None
-                L["wgu"] = proj(2 * s.inter, s.hidden, layout)
             else:
                 for name, n in (("q", nq), ("k", nkv), ("v", nkv)):
                     L[f"w{name}"] = proj(n, qkv_in, layout)
                     L[f"b{name}"] = w(n) if s.qkv_bias else None
+            if moe:  # router and stacked experts in place of the dense MLP
+                L.update(moe_weights(torch, s, dtype, dev, gen, _INIT_STD))
+                return L
+            L["wd"] = proj(s.hidden, s.inter, layout)
+            if fused:
+                L["wgu"] = proj(2 * s.inter, s.hidden, layout)
+            else:
                 L["wg"] = proj(s.inter, s.hidden, layout)
                 L["wu"] = proj(s.inter, s.hidden, layout)
             return L
 
         self.embed = w(s.vocab, s.hidden)
-        self.layers = [layer(s.hidden, opts.weight_layout, opts.fused) for _ in range(s.layers)]
+        self.layers = [
+            layer(s.hidden, opts.weight_layout, opts.fused, moe=s.is_moe)
+            for _ in range(self.n_layers)
+        ]
+        for i, L in enumerate(self.layers):
+            L["index"] = i  # which of the input's per-layer MoE dispatches it takes
         self.norm = ones(s.hidden)
         self.lm_head = proj(s.vocab, s.hidden)
         dl = opts.draft_layout
@@ -250,10 +266,7 @@ class _Decoder:
         )
 
     def weight_bytes(self) -> int:
-        s = self.shape
-        n = s.vocab * s.hidden * 2 + s.layers * s.layer_params()
-        n += 3 * s.hidden * s.hidden + s.layer_params() + s.draft_vocab * s.hidden
-        return n * self.t.tensor([], dtype=self.dtype).element_size()
+        return self.shape.built_params(self.n_layers) * self.t.tensor([], dtype=self.dtype).element_size()
 
     # -- per-batch state -------------------------------------------------------------------
 
@@ -270,7 +283,7 @@ class _Decoder:
             ).normal_(0.0, 1.0, generator=gen)
 
         return {
-            "kv": [(cache(), cache()) for _ in range(s.layers)],
+            "kv": [(cache(), cache()) for _ in range(self.n_layers)],
             "d_kv": (cache(), cache()),
             "gen": gen,
         }
@@ -302,7 +315,14 @@ class _Decoder:
             key = torch.arange(padded, device=self.dev)
             m.masked_fill_(key.view(1, -1) > (ctx + tok).view(-1, 1), float("-inf"))
             mask = m[:, : ctx + q].view(1, 1, rows, ctx + q)
-        return {"ids": ids, "hidden3": hidden3, "rope": rope, "mask": mask}
+        out = {"ids": ids, "hidden3": hidden3, "rope": rope, "mask": mask}
+        if s.is_moe:
+            out["routes"] = layer_routes(torch, s, b * q, self.n_layers, self.dev)
+        if self.n_layers < s.layers:  # the layer stack is timed from a hidden state
+            out["x0"] = torch.empty((b * q, s.hidden), dtype=self.dtype, device=self.dev).normal_(
+                0.0, 1.0, generator=gen
+            )
+        return out
 
     # -- building blocks -------------------------------------------------------------------
 
@@ -362,7 +382,9 @@ class _Decoder:
         with sdpa_kernel(backend):
             return self.F.scaled_dot_product_attention(q, k, v, **kw)
 
-    def _mlp(self, h: Any, L: dict[str, Any]) -> Any:
+    def _mlp(self, h: Any, L: dict[str, Any], inp: dict[str, Any]) -> Any:
+        if "router" in L:
+            return moe_forward(self.t, self.shape, h, L, inp["routes"][L["index"]])
         F, lay = self.F, L["layout"]
         if L["fused"]:
             gate, up = self._lin(h, L["wgu"], None, lay).chunk(2, dim=-1)
@@ -382,7 +404,7 @@ class _Decoder:
                inp: dict[str, Any], attn_in: Any = None) -> Any:
         h = self._norm(x, L["ln1"]) if attn_in is None else attn_in
         x = x + self._lin(self._attention(h, L, kv, b, q, ctx, inp), L["wo"], None, L["layout"])
-        return x + self._mlp(self._norm(x, L["ln2"]), L)
+        return x + self._mlp(self._norm(x, L["ln2"]), L, inp)
 
     # -- the two forwards ------------------------------------------------------------------
 
@@ -390,6 +412,18 @@ class _Decoder:
         x = self.F.embedding(inp["ids"], self.embed)
         for L, kv in zip(self.layers, state["kv"]):
             x = self._layer(x, L, kv, b, q, ctx, inp)
+        return self._lin(self._norm(x, self.norm), self.lm_head)
+
+    def stack(self, state: dict[str, Any], inp: dict[str, Any], b: int, q: int, ctx: int) -> Any:
+        """The built layers alone, from a hidden state: the part a scaled target multiplies."""
+        x = inp["x0"]
+        for L, kv in zip(self.layers, state["kv"]):
+            x = self._layer(x, L, kv, b, q, ctx, inp)
+        return x
+
+    def head(self, state: dict[str, Any], inp: dict[str, Any], b: int, q: int, ctx: int) -> Any:
+        """Embedding, final norm and LM head: the part of a target forward outside the layers."""
+        x = self.F.embedding(inp["ids"], self.embed)
         return self._lin(self._norm(x, self.norm), self.lm_head)
 
     def draft(self, state: dict[str, Any], inp: dict[str, Any], b: int, q: int, ctx: int) -> Any:
@@ -455,12 +489,16 @@ def _graph_ms(
     return float(statistics.median(means))
 
 
-def _state_bytes(shape: ModelShape, b: int, ctx: int, max_q: int, dtype_bytes: int) -> int:
+def _state_bytes(shape: ModelShape, b: int, ctx: int, max_q: int, dtype_bytes: int,
+                 layers: int | None = None) -> int:
     """Device memory one batch size needs: KV caches plus the largest forward's activations."""
-    kv = shape.kv_bytes_per_token(dtype_bytes=dtype_bytes, layers=shape.layers + 1)
+    n_layers = shape.layers if layers is None else layers
+    kv = shape.kv_bytes_per_token(dtype_bytes=dtype_bytes, layers=n_layers + 1)
     kv *= b * (ctx + max_q)
     m = b * max_q
     act = m * (shape.vocab + 2 * shape.inter + 3 * shape.hidden + shape.qkv_out) * dtype_bytes
+    if shape.is_moe:  # dispatched copies and the experts' SwiGLU, per routed slot
+        act += m * shape.experts_per_tok * (3 * shape.hidden + 3 * shape.moe_inter) * dtype_bytes
     return kv + 3 * act
 
 
@@ -506,8 +544,14 @@ def measure(
     Stops cleanly, keeping every finished point, when the device runs out of memory at a batch
     size (``stopped`` says where and why) or on Ctrl-C (``interrupted``).
 
+    A model whose weights do not fit in half the free device memory (a MoE of hundreds of
+    experts) is built with ``settings.layers`` target layers, or as many as fit: then each point
+    times the built layers alone (``stack``, from a hidden state) and the embedding plus LM head
+    (``head``) as two graphs, and ``target_ms = head + layers / built · stack``. Layers are
+    identical in shape, so the stack scales linearly; the info row says so (``layers_timed``).
+
     Raises:
-        ConfigError: no torch or no CUDA device.
+        ConfigError: no torch or no CUDA device, or more layers asked for than the shape has.
         DynspecError: the weights themselves do not fit on the device.
     """
     problem = cuda_problem()
@@ -532,17 +576,30 @@ def measure(
     }
     info["draft_timing"] = "before" if draft_first else "after"
     info.update(_gpu_state())
-    weight_bytes = (shape.target_params() + shape.draft_params() + shape.vocab * shape.hidden)
-    weight_bytes *= settings.dtype_bytes
     free, total = torch.cuda.mem_get_info()
+    n_layers = settings.layers or shape.layers_fitting(free // 2, dtype_bytes=settings.dtype_bytes)
+    if n_layers > shape.layers:
+        raise ConfigError(f"{shape.name} has {shape.layers} layers; cannot build {n_layers}")
+    weight_bytes = shape.built_params(n_layers) * settings.dtype_bytes
     if weight_bytes + _HEADROOM_BYTES > free:
         raise DynspecError(
-            f"the {shape.name} weights need {weight_bytes / 2**30:.1f} GiB; "
-            f"{props.name} has {free / 2**30:.1f} of {total / 2**30:.1f} GiB free"
+            f"the {shape.name} weights with {n_layers} layers need {weight_bytes / 2**30:.1f} GiB;"
+            f" {props.name} has {free / 2**30:.1f} of {total / 2**30:.1f} GiB free "
+            "(fewer layers: --layers N)"
         )
-    log.info("building %s with random %s weights on %s", shape.name, settings.dtype, props.name)
+    scaled = n_layers < shape.layers
+    if shape.is_moe:
+        info["routing"] = (
+            "fixed, balanced over the expected number of distinct experts E(1-(1-k/E)^n), "
+            "ceil in a share of the layers and floor in the rest"
+        )
+    if scaled:
+        info["layers_timed"] = n_layers
+        info["layer_scaling"] = f"target = head + {shape.layers}/{n_layers} x {n_layers} layers"
+    log.info("building %s (%d of %d layers) with random %s weights on %s", shape.name,
+             n_layers, shape.layers, settings.dtype, props.name)
     t0 = time.monotonic()
-    model = _Decoder(torch, shape, dtype, opts, settings.seed)
+    model = _Decoder(torch, shape, dtype, opts, settings.seed, layers=n_layers)
     torch.cuda.synchronize()
     log.info("weights ready in %.1f s (%.1f GiB)", time.monotonic() - t0, model.weight_bytes() / 2**30)
 
@@ -555,7 +612,8 @@ def measure(
     first = True
     try:
         for b in grid.batch_sizes:
-            need = _state_bytes(shape, b, settings.ctx, grid.max_q, settings.dtype_bytes)
+            need = _state_bytes(shape, b, settings.ctx, grid.max_q, settings.dtype_bytes,
+                                n_layers)
             free, _ = torch.cuda.mem_get_info()
             if need + _HEADROOM_BYTES > free:
                 stopped = (
@@ -578,7 +636,8 @@ def measure(
                     if pause > 0:
                         time.sleep(pause)
                     timed = {}
-                    for which in ("draft", "target") if draft_first else ("target", "draft"):
+                    parts = ("stack", "head") if scaled else ("target",)
+                    for which in ("draft", *parts) if draft_first else (*parts, "draft"):
                         timed[which] = _graph_ms(
                             torch,
                             partial(getattr(model, which), state, inp, b, q, settings.ctx),
@@ -588,7 +647,11 @@ def measure(
                             warm_ms=_FIRST_WARM_MS if first else _MIN_WARM_MS,
                         )
                         first = False
-                    t_ms, d_ms = timed["target"], timed["draft"]
+                    d_ms = timed["draft"]
+                    if scaled:
+                        t_ms = timed["head"] + timed["stack"] * shape.layers / n_layers
+                    else:
+                        t_ms = timed["target"]
                     row = CostRow(b=b, q=q, target_ms=t_ms, draft_ms=d_ms)
                     rows.append(row)
                     done += 1

@@ -22,7 +22,9 @@ Two kinds exist, both loadable from files a user can write:
 
 Shipped profiles (:func:`list_profiles`): ``h200-llama8b`` (measured table), ``h100-llama8b``
 (anchors P1, fitted to EAGLE-3's SGLang table), ``seed-kimi-pcie`` (anchors P3, the seed's
-8×RTX PRO 6000 box with Kimi-K2.5).
+8×RTX PRO 6000 box with Kimi-K2.5), and two measured mixture-of-experts tables,
+``h200-moe-qwen3-30b-a3b`` (128 experts, top-8) and ``h200-moe-mixtral-8x7b`` (8 experts,
+top-2), where a verify of ``k+1`` tokens per request touches more experts at few requests.
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ _SHIPPED = {
     "h200-llama8b": "h200-llama8b.jsonl",
     "h100-llama8b": "h100-llama8b.json",
     "seed-kimi-pcie": "seed-kimi-pcie.json",
+    "h200-moe-qwen3-30b-a3b": "h200-moe-qwen3-30b-a3b.jsonl",
+    "h200-moe-mixtral-8x7b": "h200-moe-mixtral-8x7b.jsonl",
 }
 
 
