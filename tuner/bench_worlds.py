@@ -287,11 +287,21 @@ def render_worlds(result: WorldBenchResult, *, policy: str = DEFAULT_POLICY) -> 
                          f"the best of thompson and ucb: {over} phases over; worst "
                          f"{gap:+.1f} points at {where}")
         lines.append(f"  worst world: {worst.describe()}")
-        lines.append(f"  its parameters: {worst.params()}")
+        lines.append(f"  its parameters: {_rounded(worst.params())}")
     for line in result.skipped:
         lines.append(f"skipped {line}")
     lines.append(f"{len(result.runs)} runs in {result.wall_s:.0f} s wall")
     return lines
+
+
+def _rounded(value: Any) -> Any:
+    if isinstance(value, float):
+        return float(f"{value:.4g}")
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return value
 
 
 def _aligned(rows: list[list[str]]) -> list[str]:

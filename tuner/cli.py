@@ -1039,7 +1039,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _cmd_bench_worlds(args: argparse.Namespace) -> int:
     import json
 
-    from tuner.bench import DEFAULT_ARMS
+    from tuner.bench import DEFAULT_ARMS, RunResult
     from tuner.bench_worlds import (
         DEFAULT_WORLD_LOAD,
         DEFAULT_WORLD_POLICIES,
@@ -1062,7 +1062,14 @@ def _cmd_bench_worlds(args: argparse.Namespace) -> int:
     n = len(config.worlds) * len(config.policies)
     err_console.print(f"bench: {n} runs on {len(config.worlds)} worlds, "
                       f"{config.jobs or 'all'} cores ...", markup=False)
-    result = run_worlds(config)
+    done = 0
+
+    def progress(r: RunResult) -> None:
+        nonlocal done
+        done += 1
+        err_console.print(f"  {done}/{n} {r.profile} {r.policy}", markup=False)
+
+    result = run_worlds(config, progress=progress)
     for line in render_worlds(result):
         console.print(line, markup=False, soft_wrap=True)
     if args.json is not None:

@@ -27,7 +27,7 @@ from functools import lru_cache
 
 import numpy as np
 
-__all__ = ["SHAPES", "AcceptanceShape", "beta_nodes", "shape_emitted_mean"]
+__all__ = ["SHAPES", "AcceptanceShape", "ShapedRows", "beta_nodes", "shape_emitted_mean"]
 
 SHAPES = ("chain", "horizon", "rising")
 # Quadrature nodes per half of the Beta's support and over a request's progress.
@@ -154,3 +154,70 @@ def shape_emitted_mean(
         a, weights = x, w
     em = 1.0 + shape.survival(a, k).sum(axis=-1)
     return float((weights / em).sum() if inverse else (weights * em).sum())
+
+
+class ShapedRows:
+    """The engine's per-request state for shaped and drifting acceptance.
+
+    The engine keeps survival rows ``P(A ≥ i)`` per running request (and the rows it would
+    have drafting from stale state); this fills them for requests whose class has a shape,
+    and refreshes drifting ones from their progress — vectorised per distinct shape, since
+    it runs before every drafting step. Columns are aligned with the engine's running list.
+    """
+
+    def __init__(self, capacity: int, kmax: int, cold_factor: float) -> None:
+        self.kmax = kmax
+        self.cold_factor = cold_factor
+        self._alpha = np.zeros(capacity)
+        self._out = np.ones(capacity)
+        self._shape = np.full(capacity, -1, dtype=np.int64)  # index into _shapes; -1: chain
+        self._drift = np.zeros(capacity, dtype=bool)
+        self._shapes: list[AcceptanceShape] = []
+        self._index: dict[AcceptanceShape, int] = {}
+        self.drifting = 0  # running requests whose rows move with progress
+
+    def admit(self, start: int, requests: list, surv: np.ndarray, cold: np.ndarray) -> None:
+        """Requests ``requests`` now occupy rows ``start..``; fill the rows of shaped ones."""
+        for j, r in enumerate(requests):
+            i = start + j
+            shape = r.shape
+            if shape is None:
+                self._shape[i] = -1
+                self._drift[i] = False
+                continue
+            ix = self._index.get(shape)
+            if ix is None:
+                ix = self._index[shape] = len(self._shapes)
+                self._shapes.append(shape)
+            self._shape[i] = ix
+            self._alpha[i] = r.alpha
+            self._out[i] = r.output_tokens
+            self._drift[i] = shape.drift != 0.0
+            self.drifting += bool(shape.drift)
+            surv[i] = shape.survival(r.alpha, self.kmax)
+            cold[i] = shape.survival(r.alpha * self.cold_factor, self.kmax)
+
+    def refresh(
+        self, n: int, rem: np.ndarray, surv: np.ndarray, cold: np.ndarray, stale: np.ndarray
+    ) -> None:
+        """Rows of the first ``n`` requests' drifting ones at their share of output emitted
+        (``rem`` tokens still to come)."""
+        drift = self._drift[:n]
+        if len(self._shapes) == 1:  # the usual case: one shape for the whole workload
+            groups = [(0, np.flatnonzero(drift))]
+        else:
+            groups = [(ix, np.flatnonzero(drift & (self._shape[:n] == ix)))
+                      for ix in np.unique(self._shape[:n][drift]).tolist()]
+        for ix, rows in groups:
+            shape = self._shapes[ix]
+            a = shape.drifted(self._alpha[rows], 1.0 - rem[rows] / self._out[rows])
+            c = shape.survival(a * self.cold_factor, self.kmax)
+            cold[rows] = c
+            surv[rows] = np.where(stale[rows, None], c, shape.survival(a, self.kmax))
+
+    def compact(self, keep: np.ndarray, n: int) -> None:
+        """Drop the finished requests (``keep`` False) from the first ``n`` rows."""
+        m = int(keep.sum())
+        self.drifting -= int(self._drift[:n][~keep].sum())
+        for col in (self._alpha, self._out, self._shape, self._drift):
+            col[:m] = col[:n][keep]

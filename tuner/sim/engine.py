@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from tuner.plugin.core import PluginCore
-from tuner.sim.acceptance import AcceptanceShape
+from tuner.sim.acceptance import AcceptanceShape, ShapedRows
 from tuner.sim.graphs import cuda_graph_bs, pad_batch_size
 from tuner.sim.load import Load, NoLoad
 from tuner.sim.profiles import CostProfile, load_profile
@@ -325,7 +325,7 @@ class Engine:
         self._surv = np.zeros((cap_n, self._kmax), dtype=np.float64)  # P(A >= i) per request
         self._cold = np.zeros((cap_n, self._kmax), dtype=np.float64)  # same, stale draft state
         self._stale = np.zeros(cap_n, dtype=bool)
-        self._drift = np.zeros(cap_n, dtype=bool)  # rows recomputed from progress each step
+        self._shaped = ShapedRows(cap_n, self._kmax, self.cold_factor)
         self._pending: tuple[int, int, int, int, float, int, bool] | None = None
         self._last_decode: tuple[int, float, int, int] | None = None  # (b, launch, iter, gen)
         self._log: dict[str, list[float]] = {
@@ -511,11 +511,7 @@ class Engine:
         self._surv[n0 : n0 + m] = alphas[:, None] ** i[None, :] * dpow
         self._cold[n0 : n0 + m] = (alphas[:, None] * self.cold_factor) ** i[None, :] * dpow
         self._stale[n0 : n0 + m] = False
-        self._drift[n0 : n0 + m] = [r.shape is not None and r.shape.drift != 0 for r in admit]
-        for j, r in enumerate(admit):
-            if r.shape is not None:
-                self._surv[n0 + j] = r.shape.survival(r.alpha, self._kmax)
-                self._cold[n0 + j] = r.shape.survival(r.alpha * self.cold_factor, self._kmax)
+        self._shaped.admit(n0, admit, self._surv, self._cold)
         self._rem[n0 : n0 + m] = [r.output_tokens - 1 for r in admit]
         for r in admit:
             r.admitted_at = launch
@@ -556,8 +552,8 @@ class Engine:
         self._flush()
         rem = self._rem[:n]
         if k > 0:
-            if self._drift[:n].any():
-                self._redrift(n)
+            if self._shaped.drifting:
+                self._shaped.refresh(n, self._rem, self._surv, self._cold, self._stale)
             acc = self._accept(n, k)
             accepted = int(acc.sum())
             emitted = accepted + n
@@ -608,24 +604,6 @@ class Engine:
             surv = self._tree.lift_survival(surv)
         return (u[:, None] < surv).sum(axis=1)
 
-    def _redrift(self, n: int) -> None:
-        """Survival rows of drifting requests at their current share of output emitted."""
-        idx = np.flatnonzero(self._drift[:n])
-        running = self._running
-        groups: dict[AcceptanceShape, list[int]] = {}
-        for i in idx.tolist():
-            groups.setdefault(running[i].shape, []).append(i)  # type: ignore[arg-type]
-        for shape, rows in groups.items():
-            ix = np.asarray(rows)
-            out = np.array([running[i].output_tokens for i in rows], dtype=np.float64)
-            alpha = np.array([running[i].alpha for i in rows])
-            a = shape.drifted(alpha, 1.0 - self._rem[ix] / out)
-            cold = shape.survival(a * self.cold_factor, self._kmax)
-            self._cold[ix] = cold
-            self._surv[ix] = np.where(
-                self._stale[ix, None], cold, shape.survival(a, self._kmax)
-            )
-
     def _log_tick(self, n: int, k: int) -> None:
         c = self.counters
         span = self.now - c._win_start
@@ -655,7 +633,7 @@ class Engine:
         self._surv[:m] = self._surv[:n][keep]
         self._cold[:m] = self._cold[:n][keep]
         self._stale[:m] = self._stale[:n][keep]
-        self._drift[:m] = self._drift[:n][keep]
+        self._shaped.compact(keep, n)
         c = self.counters
         log = self._log
         now = self.now
