@@ -115,6 +115,23 @@ def test_seed_profile_reproduces_its_headline_numbers():
     assert prof.max_running == 64 and prof.acceptance == "kimi-eagle3"
 
 
+def test_seed_profile_reads_the_experts_kimi_k25_touches():
+    """Kimi-K2.5 routes each token to 8 of 384 experts: a step of N tokens reads the expected
+    distinct experts of N tokens (the verify's b·(k+1) tokens, not b), the shared expert always."""
+    from dataclasses import replace
+
+    from tuner.calibrate import expected_experts
+
+    prof = load_profile("seed-kimi-pcie")
+    dense = replace(prof, t_e=0.0, expert_frac=0.0)
+    for b in (1, 4, 16, 64):
+        routed_ms = 1000 * (prof.base_step_s(b) - dense.base_step_s(b))
+        assert routed_ms == pytest.approx(prof.t_e * expected_experts(384, 8, b) / 384, rel=1e-9)
+    # The verify of k+1 tokens per request pays for the experts of b·(k+1) tokens.
+    extra = 1000 * (prof.step_s(4, 3) - dense.step_s(4, 3))
+    assert extra == pytest.approx(prof.t_e * expected_experts(384, 8, 16) / 384, rel=1e-9)
+
+
 def test_a_user_written_parametric_profile(tmp_path):
     path = _write(
         tmp_path,

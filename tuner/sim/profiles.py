@@ -348,7 +348,8 @@ class ParametricProfile(CostProfile):
     acceptance: str = DEFAULT_ACCEPTANCE_FAMILY
     max_running: int | None = None
     source: str = "<memory>"
-    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+    # Not an init field: dataclasses.replace must not hand a copy the original's memo.
+    _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for f in fields(self):
