@@ -213,3 +213,20 @@ def test_world_ranges(spec, expected):
 def test_bad_world_ranges(spec):
     with pytest.raises(ConfigError, match="world range"):
         parse_world_range(spec)
+
+
+@pytest.mark.parametrize("index, best", [(44, 1), (42, 3)])
+def test_the_oracle_arm_scores_100_in_every_phase_of_a_world_despite_noise_and_drift(
+    index, best
+):
+    # Worlds 44 (horizon shape) and 42 (13 % noise, drifting acceptance) of seed 0 have one
+    # best arm at every batch size: running it must be the oracle, exactly.
+    from tuner.bench import run_one
+
+    world = make_world(index, 0)
+    kw = dict(profile=world.name, workload="generated", load="10:1,10:16", warmup_s=2.0,
+              world=world)
+    top = run_one(policy=f"always:k={best}", **kw)
+    never = run_one(policy="never", **kw)
+    assert [ph.pct_oracle_all for ph in top.phases] == [100.0, 100.0]
+    assert all(ph.pct_oracle_all < 95.0 for ph in never.phases)
