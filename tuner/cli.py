@@ -910,7 +910,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("--profiles", type=csv, default=None, metavar="LIST",
-                   help="profile names or files (default: the three shipped)")
+                   help=f"profile names or files (default: {','.join(DEFAULT_BENCH_PROFILES)})")
     p.add_argument("--workloads", type=csv, default=None, metavar="LIST",
                    help=f"default: {','.join(DEFAULT_BENCH_WORKLOADS)}")
     p.add_argument("--worlds", type=world_range, default=None, metavar="RANGE",
