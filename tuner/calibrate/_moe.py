@@ -7,7 +7,7 @@ independent per token, each expert is missed by one token with probability ``1 �
     E[distinct experts] = E · (1 − (1 − k/E)^n)
 
 which is what the verify pass of ``k_draft + 1`` tokens per request pays for at small batch:
-one request at ``k_draft = 7`` touches ~49 of 128 experts where its plain decode touches 8.
+one request at ``k_draft = 7`` touches ~52 of 128 experts where its plain decode touches 8.
 
 ``calibrate`` times that count with a deterministic assignment (:func:`balanced_routing`): the
 ``n·k`` (token, slot) pairs go round-robin over the first ``D`` experts, so each token still has
@@ -15,9 +15,12 @@ one request at ``k_draft = 7`` touches ~49 of 128 experts where its plain decode
 GEMM over the first ``D`` experts' weights does the work. A layer can only touch whole experts:
 :func:`layer_split` gives a share of the layers ``⌈E[D]⌉`` and the rest ``⌊E[D]⌋`` so the
 forward's mean over layers is the expected count (to one layer's share), and a table of few
-experts (Mixtral's 8) is not a staircase in ``n``. Why not random routing: a CUDA graph needs fixed shapes, a
-random draw moves the count from one capture to the next (the timing would measure the draw),
-and random weights say nothing about a trained router's skew anyway.
+experts (Mixtral's 8) is not a staircase in ``n``.
+
+Why not random routing: a CUDA graph needs fixed shapes, a random draw moves the count from one
+capture to the next (the timing would measure the draw), and random weights say nothing about
+a trained router's skew anyway. Not modelled: that skew (hot experts), and a routed token
+count that varies across expert-parallel GPUs.
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ class Routing:
 
 def layer_split(experts: int, top_k: int, tokens: int, layers: int) -> tuple[int, ...]:
     """Experts each of ``layers`` layers touches: the leading ``round(frac · layers)`` layers
-    ``⌈E[D]⌉``, the rest ``⌊E[D]⌋``, both within what is possible (see :func:`touched_experts`)."""
+    ``⌈E[D]⌉``, the rest ``⌊E[D]⌋``, both within what is possible (:func:`touched_experts`)."""
     if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
         raise ValueError(f"layers must be a positive integer, got {layers!r}")
     mean = expected_experts(experts, top_k, tokens)

@@ -74,7 +74,9 @@ def layer_routes(
     return [made[d] for d in split]
 
 
-def moe_forward(torch: Any, shape: ModelShape, h: Any, L: dict[str, Any], route: dict[str, Any]) -> Any:
+def moe_forward(
+    torch: Any, shape: ModelShape, h: Any, L: dict[str, Any], route: dict[str, Any]
+) -> Any:
     """Router, dispatch to the touched experts, their SwiGLU MLPs, weighted combine, plus the
     shared experts. ``h``: ``[tokens, hidden]``."""
     F = torch.nn.functional

@@ -266,7 +266,8 @@ class _Decoder:
         )
 
     def weight_bytes(self) -> int:
-        return self.shape.built_params(self.n_layers) * self.t.tensor([], dtype=self.dtype).element_size()
+        size = self.t.tensor([], dtype=self.dtype).element_size()
+        return self.shape.built_params(self.n_layers) * size
 
     # -- per-batch state -------------------------------------------------------------------
 
