@@ -182,3 +182,14 @@ def test_a_bad_content_length_is_refused_and_the_server_lives_on(server, client)
         sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999\r\n\r\n")
         assert b" 413 " in sock.recv(64)
     assert client.get("/health").status_code == 200
+
+
+def test_an_admin_key_gates_updates_as_sglang_does():
+    update = {"server_args": encode_update(((None, 1),), 1)}
+    with SimServer(load="none", admin_api_key="k1") as sim, httpx.Client(base_url=sim.url) as c:
+        for headers in ({}, {"Authorization": "Bearer nope"}):
+            r = c.post("/set_internal_state", json=update, headers=headers)
+            assert (r.status_code, r.json()) == (401, {"error": "Unauthorized"})
+        assert c.get("/server_info", headers={"Authorization": "Bearer nope"}).status_code == 200
+        r = c.post("/set_internal_state", json=update, headers={"Authorization": "Bearer k1"})
+        assert r.json() == [True]

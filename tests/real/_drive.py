@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -19,9 +20,41 @@ from pathlib import Path
 
 from _server import VOCAB, http, readout
 
-from tuner.protocol import CounterRow, counter_deltas, encode_update
+from tuner.protocol import CounterRow, encode_update
 
-__all__ = ["Load", "Tuner", "client_exe", "counters", "pin", "push", "window_deltas"]
+__all__ = [
+    "Load",
+    "Tuner",
+    "client_exe",
+    "counters",
+    "pin",
+    "push",
+    "pushed_versions",
+    "run_client",
+    "tuner_args",
+    "watch_versions",
+]
+
+
+def tuner_args(server, db: Path, *extra: str) -> list[str]:
+    """``dynspec-tuner run`` against ``server`` with a fast cadence for the tier."""
+    return ["run", "--server", server.address, "--db", f"sqlite:///{db}", "--interval", "0.5",
+            "--decision-period", "2", "--seed", "0", *extra]  # fmt: skip
+
+
+def pushed_versions(log: str) -> list[int]:
+    """The versions a daemon's log says it pushed, in order."""
+    return [int(v) for v in re.findall(r": pushed v(\d+) ", log)]
+
+
+def watch_versions(url: str, seconds: float, key: str | None = None,
+                   every_s: float = 0.5) -> list[int]:  # fmt: skip
+    """The server's policy_version, read every ``every_s`` for ``seconds``."""
+    seen, deadline = [], time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        seen.append(readout(url, key)["policy_version"])
+        time.sleep(every_s)
+    return seen
 
 
 def client_exe() -> str:
@@ -133,15 +166,3 @@ def pin(url: str, k: int, key: str | None = None) -> None:
     status, reply = push(url, ((None, k),), version, key)
     if status != 200 or reply != [True]:
         raise AssertionError(f"pinning k={k} refused: {status} {reply}")
-
-
-def window_deltas(url: str, seconds: float, load: Load | None = None) -> tuple[CounterRow, ...]:
-    """The per-(b, k) counters that accrued over ``seconds`` of real time."""
-    before = counters(url)
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-    deltas = counter_deltas(before, counters(url))
-    if deltas is None:
-        raise AssertionError("counters went backwards inside a window: the server restarted")
-    return deltas

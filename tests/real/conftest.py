@@ -96,3 +96,26 @@ def plugin_server(servers) -> RealServer:
 def results_dir() -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     return RESULTS
+
+
+@pytest.fixture(scope="session")
+def history_db(workdir) -> Path:
+    """The history the tier's shared daemon run writes (export and report read it)."""
+    return workdir / "history.db"
+
+
+@pytest.fixture(scope="session")
+def learned(plugin_server, history_db, workdir) -> dict:
+    """The daemon run against the shared server under load until it has pushed three tables:
+    its log, the server's readout before and after, and the versions seen meanwhile."""
+    from _drive import Load, Tuner, pushed_versions, tuner_args, watch_versions
+    from _server import readout, wait_for
+
+    url = plugin_server.url
+    start = readout(url)
+    log_path = workdir / "daemon-learn.log"
+    with Load(url, 3, seed=1), Tuner(tuner_args(plugin_server, history_db), log_path) as tuner:
+        wait_for(lambda: len(pushed_versions(tuner.log())) >= 3, 150, "three pushes")
+        seen = watch_versions(url, 6)
+        tuner.stop()
+    return {"start": start, "end": readout(url), "seen": seen, "log": tuner.log()}

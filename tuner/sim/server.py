@@ -21,6 +21,7 @@ malformed bodies, rejected updates, restarts; admin endpoint ``/_sim/faults``).
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import math
@@ -116,6 +117,7 @@ class SimServer:
         host, port: where to listen (port 0 = a free port).
         dp_size: replicas reported in ``internal_states`` (all share one engine).
         model_name: reported as ``model_path`` / ``served_model_name``.
+        admin_api_key: as SGLang's ``--admin-api-key``: table updates need it (401 otherwise).
         clock: monotonic clock (injected for tests), wall: wall clock for ``started_at``.
     """
 
@@ -135,6 +137,7 @@ class SimServer:
         port: int = 0,
         dp_size: int = 1,
         model_name: str = "sim/llama-3.1-8b-instruct",
+        admin_api_key: str | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
@@ -149,6 +152,7 @@ class SimServer:
         self._req_port = port
         self.dp_size = dp_size
         self.model_name = model_name
+        self.admin_api_key = admin_api_key
         if isinstance(load, str):
             load = parse_load(load, seed=seed)
         self._engine_kw: dict[str, Any] = dict(
@@ -394,6 +398,11 @@ class SimServer:
         )
 
     def _set_internal_state(self, req: HttpRequest) -> HttpResponse:
+        # SGLang's ADMIN_OPTIONAL auth: with an admin key set, only that key may update.
+        if self.admin_api_key is not None and not hmac.compare_digest(
+            req.headers.get("authorization", "").encode(), f"Bearer {self.admin_api_key}".encode()
+        ):
+            return HttpResponse.json({"error": "Unauthorized"}, 401)
         body = _json_body(req)
         if isinstance(body, HttpResponse):
             return body
