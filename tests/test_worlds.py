@@ -230,3 +230,18 @@ def test_the_oracle_arm_scores_100_in_every_phase_of_a_world_despite_noise_and_d
     never = run_one(policy="never", **kw)
     assert [ph.pct_oracle_all for ph in top.phases] == [100.0, 100.0]
     assert all(ph.pct_oracle_all < 95.0 for ph in never.phases)
+
+
+def test_diverse_preset_engine_matches_its_oracle():
+    # κ = 4 makes the per-request density singular at α → 1 for the code class; the oracle
+    # then integrates by quadrature, and the engine's steady state must agree. Steady state
+    # takes a while: slow (low-α, long) requests accumulate in the batch over minutes.
+    core = PluginCore((0, 1, 3, 5), started_at=0.0, default_arm=5)
+    eng = Engine(profile="h200-llama8b", workload="diverse", core=core, seed=4,
+                 load=ClosedLoop([(1e9, 48)]))
+    eng.run_until(200.0)
+    c = eng.counters
+    tokens, steps = c.decode_tokens, c.request_steps
+    eng.run_until(500.0)
+    assert (c.decode_tokens - tokens) / (c.request_steps - steps) == pytest.approx(
+        workload_emitted("diverse", "eagle3-dense", 5), rel=0.01)
