@@ -21,6 +21,10 @@ other, was either of them (counted again after each change of the workload's mix
 Generated worlds (:mod:`tuner.sim.worlds`) run through :func:`run_one`'s ``world`` argument;
 :mod:`tuner.bench_worlds` runs a range of them.
 
+The module is split along its seams — :mod:`tuner.bench_config` (defaults, policy specs,
+:class:`BenchConfig`) and :mod:`tuner.bench_targets` (the targets) — and re-exports their
+public names.
+
 Every run of a bench uses the same seed, so all policies see the same requests. Runs are
 independent and spread over ``jobs`` processes; the results do not depend on ``jobs``.
 """
@@ -31,13 +35,27 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from policies import DEFAULT_POLICY, BasePolicy, Buckets, Observation, make_policy
-from tuner.errors import ConfigError
+from tuner.bench_config import (
+    DEFAULT_ARMS,
+    DEFAULT_BENCH_DECISION_PERIOD_S,
+    DEFAULT_BENCH_INTERVAL_S,
+    DEFAULT_BENCH_LOAD,
+    DEFAULT_BENCH_POLICIES,
+    DEFAULT_BENCH_PROFILES,
+    DEFAULT_BENCH_WORKLOADS,
+    DEFAULT_OPEN_LOOP_S,
+    DEFAULT_WARMUP_S,
+    SGLANG_REAL,
+    BenchConfig,
+    parse_policy_spec,
+)
+from tuner.bench_targets import TARGETS, TargetCheck, check_targets, summarize_policies
 from tuner.plugin.core import PluginCore
 from tuner.protocol import CounterRow, Table, counter_deltas, encode_update, lookup
 from tuner.sim.engine import Engine
@@ -56,6 +74,7 @@ __all__ = [
     "DEFAULT_BENCH_PROFILES",
     "DEFAULT_BENCH_WORKLOADS",
     "DEFAULT_WARMUP_S",
+    "SGLANG_REAL",
     "TARGETS",
     "BenchConfig",
     "BenchResult",
@@ -68,160 +87,15 @@ __all__ = [
     "run_bench",
     "run_one",
     "sglang_available",
+    "summarize_policies",
 ]
 
 log = logging.getLogger(__name__)
 
-# Two measured H200 tables (dense, MoE) and two fitted to published figures.
-DEFAULT_BENCH_PROFILES = (
-    "h200-llama8b", "h100-llama8b", "seed-kimi-pcie", "h200-moe-qwen3-30b-a3b"
-)
-# "shift" is rewritten per run to chat -> code -> hard in three equal parts of the schedule.
-DEFAULT_BENCH_WORKLOADS = ("chat", "code", "hard", "shift")
-# The concurrency sweep 1, 4, 16, 64, 256 and back.
-DEFAULT_BENCH_LOAD = "90:1,90:4,90:16,90:64,90:256,90:64,90:16,90:4,90:1"
-# sglang-real runs where sglang is importable and is skipped, saying so, elsewhere.
-DEFAULT_BENCH_POLICIES = (
-    "never", "threshold", "sglang-default", "sglang-real", "thompson", "ucb", "model", "optuna",
-)
-# SGLang's default adaptive union: every baseline's arms are built.
-DEFAULT_ARMS = (0, 1, 3, 5, 7)
-# As the daemon: read every second, decide every two.
-DEFAULT_BENCH_INTERVAL_S = 1.0
-DEFAULT_BENCH_DECISION_PERIOD_S = 2.0
-# Seconds at the start of each load phase that "after warm-up" leaves out.
-DEFAULT_WARMUP_S = 30.0
-# Duration of open-loop loads (poisson, trace), which have no phases of their own.
-DEFAULT_OPEN_LOOP_S = 600.0
 # "Converged" = the greedy arm within 2 % of the oracle's goodput, or, where the bucket's two
 # best arms are within 3 % of each other, either of them (issue 13: a near tie is not a miss).
 CONVERGE_TOLERANCE = 0.02
 CONVERGE_TIE = 0.03
-SGLANG_REAL = "sglang-real"
-
-TARGETS = (
-    "default policy >= 98 % of oracle after warm-up in every load phase",
-    "default policy >= 95 % of oracle including warm-up in every load phase",
-    "default policy beats threshold and sglang-default after warm-up wherever they are "
-    "< 99 % of oracle",
-    "h200: default after warm-up >= 1.2x threshold and sglang-default at concurrency >= 64, "
-    ">= 1.5x threshold at concurrency 8-64 (where the oracle reaches that ratio)",
-    "default policy converges (greedy within 2 % of oracle, or either of two arms within 3 %) "
-    "in <= 60 s of traffic per bucket",
-    "full default bench <= 600 s wall on 2 cores",
-)
-
-
-# --- configuration ----------------------------------------------------------------------------
-
-
-def parse_policy_spec(spec: str) -> tuple[str, dict[str, Any]]:
-    """``"name"`` or ``"name:key=value:key=value"`` -> ``(name, params)``.
-
-    Values are read as int, float, None/true/false, or a comma list of ints; else a string.
-
-    Raises:
-        ConfigError: a parameter without ``=``.
-    """
-    name, *parts = spec.strip().split(":")
-    params: dict[str, Any] = {}
-    for part in parts:
-        key, sep, raw = part.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"policy {spec!r}: parameter {part!r} is not key=value")
-        params[key.strip()] = _value(raw.strip())
-    return name.strip(), params
-
-
-def _value(raw: str) -> Any:
-    low = raw.lower()
-    if low in ("none", "null"):
-        return None
-    if low in ("true", "false"):
-        return low == "true"
-    for conv in (int, float):
-        try:
-            return conv(raw)
-        except ValueError:
-            pass
-    if "," in raw:
-        try:
-            return tuple(int(p) for p in raw.split(",") if p)
-        except ValueError:
-            pass
-    return raw
-
-
-def _positive(name: str, value: float) -> None:
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-        raise ConfigError(f"{name} must be a positive number, got {value!r}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class BenchConfig:
-    """What to run. Every (profile, workload, policy) triple is one run under ``load``.
-
-    Attributes:
-        profiles: profile names or files (:func:`tuner.sim.profiles.load_profile`).
-        workloads: workload names (``shift`` = chat -> code -> hard over the schedule).
-        load: a load schedule (:func:`tuner.sim.load.parse_load`).
-        policies: policy specs ``name[:key=value...]``; ``sglang-real`` runs SGLang's own
-            AdaptiveSpeculativeParams when sglang is importable (skipped otherwise).
-        seed: seeds engines and policies alike.
-        arms: the arms the simulated server builds.
-        interval_s, decision_period_s: the daemon's read and decision periods.
-        warmup_s: the start of each load phase "after warm-up" leaves out.
-        duration_s: run length for open-loop loads (closed loops run their schedule once).
-        max_running: the running-request cap; default the profile's, else the schedule's peak.
-        skip_zero_draft_extend: SGLang's ``SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1``.
-        jobs: worker processes (default: CPU count).
-    """
-
-    profiles: tuple[str, ...] = DEFAULT_BENCH_PROFILES
-    workloads: tuple[str, ...] = DEFAULT_BENCH_WORKLOADS
-    load: str = DEFAULT_BENCH_LOAD
-    policies: tuple[str, ...] = DEFAULT_BENCH_POLICIES
-    seed: int = 0
-    arms: tuple[int, ...] = DEFAULT_ARMS
-    interval_s: float = DEFAULT_BENCH_INTERVAL_S
-    decision_period_s: float = DEFAULT_BENCH_DECISION_PERIOD_S
-    warmup_s: float = DEFAULT_WARMUP_S
-    duration_s: float | None = None
-    max_running: int | None = None
-    skip_zero_draft_extend: bool = False
-    jobs: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("profiles", "workloads", "policies"):
-            if not getattr(self, name):
-                raise ConfigError(f"bench needs at least one of --{name}")
-        if not self.arms or min(self.arms) < 0:
-            raise ConfigError(f"arms must be ints >= 0, got {self.arms}")
-        _positive("interval_s", self.interval_s)
-        _positive("decision_period_s", self.decision_period_s)
-        if not (math.isfinite(self.warmup_s) and self.warmup_s >= 0):
-            raise ConfigError(f"warmup_s must be >= 0, got {self.warmup_s!r}")
-        if self.duration_s is not None:
-            _positive("duration_s", self.duration_s)
-        if self.max_running is not None and self.max_running < 1:
-            raise ConfigError(f"max_running must be >= 1, got {self.max_running}")
-        if self.jobs is not None and self.jobs < 1:
-            raise ConfigError(f"jobs must be >= 1, got {self.jobs}")
-        for spec in self.policies:
-            name, params = parse_policy_spec(spec)
-            if name == SGLANG_REAL:
-                continue
-            try:  # fail before any run starts, naming the policy and parameter
-                make_policy(name, arms=self.arms, **_static_defaults(name, params))
-            except ValueError as exc:
-                raise ConfigError(f"policy {spec!r}: {exc}") from exc
-        parse_load(self.load, seed=self.seed)  # raises ConfigError naming the bad part
-
-
-def _static_defaults(name: str, params: dict[str, Any]) -> dict[str, Any]:
-    # sglang-default needs the workload's acceptance, which a run fills in; validation
-    # here only checks the rest.
-    return params
 
 
 # --- results ------------------------------------------------------------------------------------
@@ -291,13 +165,6 @@ class RunResult:
     def worst_convergence_s(self) -> float:
         """Traffic seconds of the slowest bucket: to converge, or spent unconverged."""
         return max((max(c.traffic_s, c.unconverged_s) for c in self.convergence), default=0.0)
-
-
-@dataclass(frozen=True)
-class TargetCheck:
-    target: str
-    ok: bool | None  # None: the runs asked for do not include what the target is about
-    detail: str
 
 
 @dataclass(frozen=True)
@@ -753,125 +620,3 @@ def run_bench(
                          wall_s=time.perf_counter() - t0)
     return BenchResult(config=config, runs=result.runs, skipped=result.skipped,
                        wall_s=result.wall_s, checks=tuple(check_targets(result)))
-
-
-# --- targets ------------------------------------------------------------------------------------
-
-
-def check_targets(result: BenchResult, *, policy: str = DEFAULT_POLICY) -> list[TargetCheck]:
-    """Check the issue's targets for ``policy`` against the baselines of the same bench."""
-    by_key: dict[tuple[str, str], dict[str, RunResult]] = {}
-    for r in result.runs:
-        by_key.setdefault((r.profile, r.workload), {})[parse_policy_spec(r.policy)[0]
-                                                       if r.policy != SGLANG_REAL
-                                                       else r.policy] = r
-    checks: list[TargetCheck] = []
-    mine = [(key, runs[policy]) for key, runs in by_key.items() if policy in runs]
-    if not mine:
-        return [TargetCheck(TARGETS[0], False, f"policy {policy!r} was not run")]
-
-    def worst(attr: str) -> tuple[float, str]:
-        low, where = math.inf, ""
-        for (prof, wl), r in mine:
-            for ph in r.phases:
-                v = getattr(ph, attr)
-                if math.isfinite(v) and v < low:
-                    low, where = v, f"{prof}/{wl} phase {ph.index} (c={ph.concurrency})"
-        return low, where
-
-    low, where = worst("pct_oracle")
-    checks.append(TargetCheck(TARGETS[0], low >= 98.0, f"worst {low:.1f} % at {where}"))
-    low, where = worst("pct_oracle_all")
-    checks.append(TargetCheck(TARGETS[1], low >= 95.0, f"worst {low:.1f} % at {where}"))
-
-    losses = []
-    compared = 0
-    for (prof, wl), runs in by_key.items():
-        me = runs.get(policy)
-        if me is None:
-            continue
-        for base in ("threshold", "sglang-default", SGLANG_REAL):
-            other = runs.get(base)
-            if other is None:
-                continue
-            # Steady state against steady state: a learner's warm-up has its own target.
-            for a, b in zip(me.phases, other.phases, strict=True):
-                if math.isfinite(b.pct_oracle) and b.pct_oracle < 99.0:
-                    compared += 1
-                    if not a.pct_oracle >= b.pct_oracle:
-                        losses.append(f"{prof}/{wl} phase {a.index} vs {base}: "
-                                      f"{a.pct_oracle:.1f} < {b.pct_oracle:.1f}")
-    checks.append(TargetCheck(
-        TARGETS[2], not losses,
-        f"{compared} phase comparisons; " + ("; ".join(losses[:3]) if losses else "no loss"),
-    ))
-
-    # The H200 ratios apply "as the measured table implies": where even the oracle cannot
-    # reach the ratio over a baseline, the phase is reported, not failed.
-    ratios: list[float] = []
-    fails: list[str] = []
-    for (prof, wl), runs in by_key.items():
-        if not prof.startswith("h200") or policy not in runs:
-            continue
-        me = runs[policy]
-        for base, lo_c, hi_c, need in (("threshold", 64, None, 1.2),
-                                       ("sglang-default", 64, None, 1.2),
-                                       ("threshold", 8, 64, 1.5)):
-            other = runs.get(base)
-            if other is None:
-                continue
-            for a, b in zip(me.phases, other.phases, strict=True):
-                c = a.concurrency
-                if (c is None or c < lo_c or (hi_c is not None and c > hi_c)
-                        or not b.goodput_after > 0):
-                    continue
-                if a.oracle_goodput / b.goodput_after < need:
-                    continue
-                r = a.goodput_after / b.goodput_after
-                ratios.append(r)
-                if r < need:
-                    fails.append(f"{wl} c={c} vs {base}: {r:.2f}x < {need}x")
-    checks.append(TargetCheck(
-        TARGETS[3], (not fails) if ratios else None,
-        (f"min ratio {min(ratios):.2f}x over {len(ratios)} phases where the oracle allows it"
-         if ratios else "no h200 runs")
-        + ("; " + "; ".join(fails[:3]) if fails else ""),
-    ))
-
-    slow = []
-    worst_s = 0.0
-    for (prof, wl), r in mine:
-        for c in r.convergence:
-            worst_s = max(worst_s, c.traffic_s)
-            if c.traffic_s > 60.0:
-                slow.append(f"{prof}/{wl} bucket {c.bucket}: {c.traffic_s:.0f} s")
-            if c.unconverged_s > 60.0:
-                slow.append(f"{prof}/{wl} bucket {c.bucket}: unconverged after "
-                            f"{c.unconverged_s:.0f} s")
-    checks.append(TargetCheck(
-        TARGETS[4], not slow,
-        f"slowest bucket {worst_s:.0f} s" + ("; " + "; ".join(slow[:3]) if slow else ""),
-    ))
-    default_set = (set(result.config.profiles) == set(DEFAULT_BENCH_PROFILES)
-                   and result.config.load == DEFAULT_BENCH_LOAD)
-    checks.append(TargetCheck(
-        TARGETS[5], result.wall_s <= 600.0,
-        f"{result.wall_s:.0f} s wall" + ("" if default_set else " (not the default set)"),
-    ))
-    return checks
-
-
-def summarize_policies(result: BenchResult) -> Mapping[str, tuple[float, float, float]]:
-    """Per policy: worst phase % after warm-up, worst including, mean including."""
-    out: dict[str, list[float]] = {}
-    agg: dict[str, tuple[float, float, float]] = {}
-    for r in result.runs:
-        vals = out.setdefault(r.policy, [])
-        vals.extend(ph.pct_oracle_all for ph in r.phases if math.isfinite(ph.pct_oracle_all))
-    for name in out:
-        runs = [r for r in result.runs if r.policy == name]
-        w = [ph.pct_oracle for r in runs for ph in r.phases if math.isfinite(ph.pct_oracle)]
-        a = out[name]
-        agg[name] = (min(w, default=math.nan), min(a, default=math.nan),
-                     sum(a) / len(a) if a else math.nan)
-    return agg

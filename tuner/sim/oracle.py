@@ -24,7 +24,7 @@ from functools import lru_cache
 import numpy as np
 
 from policies import table_from_arms
-from tuner.sim.acceptance import AcceptanceShape, beta_nodes, shape_emitted_mean
+from tuner.sim.acceptance import AcceptanceShape, shape_emitted_mean
 from tuner.sim.graphs import cuda_graph_bs, pad_batch_size
 from tuner.sim.profiles import CostProfile
 from tuner.sim.workloads import LengthDist, Workload, get_workload
