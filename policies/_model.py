@@ -7,14 +7,15 @@
   from the accepted/drafted counters (observable whenever ``k > 0``, no exploration needed);
   a chain model (``P(A ≥ i) = α^i δ^(i(i−1)/2)``, α fitted to those means) fills in arms
   never run, and shrinks the noisy ones.
-- **Step time** ``T(b, k)`` is fitted as ``θ·[1, b, k, b·k, [k=0]]`` over every
-  bucket's measured mean step times (the anchors' cost model is exactly bilinear in ``b``
-  and ``k``), plus a residual field carried over from the nearest buckets where the arm ran
-  (measured tables bend where the bilinear form does not), made monotone in ``b``.
-- The model's prediction is a **prior** for each (bucket, arm); the bucket's own measured
-  goodput is the likelihood, so measurements win where they are plentiful and the model
-  decides where they are not. Exploration samples this posterior: an arm the model is sure
-  is bad is never tried, which is where this policy saves exploration.
+- **Step time** ``T(b, k)`` per (bucket, arm) is the anchors' cost model (bilinear in ``b``
+  and ``k``) plus each cell's deviation from it, a smooth field whose scale the measured
+  cells' residuals decide (:mod:`policies._steptime`). Where the model fits (dense tables)
+  a cell never run is predicted tightly; where it does not (mixture-of-experts tables bend
+  where no bilinear form can), the cells widen and measured neighbours carry them.
+- Exploration is posterior (Thompson) sampling over acceptance and step time jointly. No
+  arm is excluded by the model alone: an arm is tried about as often as the posterior gives
+  it a chance of winning, which is small only where the data (not the model's shape) say
+  so, so the policy saves exploration where the model fits and spends it where it does not.
 """
 
 from __future__ import annotations
@@ -28,15 +29,18 @@ from policies._acceptance import expected_accepted
 from policies._base import ArmEstimate, Observation
 from policies._learning import LearnerParams, LearningPolicy, _require
 from policies._stats import ArmStats
+from policies._steptime import (
+    DEFAULT_ZERO_ARM_SD,
+    Cell,
+    StepTimePosterior,
+    step_time_posterior,
+)
 
 __all__ = [
     "DEFAULT_ACCEPTANCE_CORR",
     "DEFAULT_ACCEPTANCE_MEMORY_REQUEST_STEPS",
     "DEFAULT_ACCEPTANCE_MEMORY_STEPS",
     "DEFAULT_CHAIN_DELTA",
-    "DEFAULT_EXPLORE_MIN_PROB",
-    "DEFAULT_EXPLORE_MIN_RATIO",
-    "DEFAULT_TIME_MODEL_SD",
     "ModelParams",
     "ModelPolicy",
 ]
@@ -52,28 +56,15 @@ DEFAULT_ACCEPTANCE_MEMORY_STEPS = 5_000.0
 DEFAULT_ACCEPTANCE_CORR = 30.0
 # Per-position decay used to extrapolate acceptance to arms not yet run (anchors §3.3).
 DEFAULT_CHAIN_DELTA = 0.973
-# Relative error of the step-time model one bucket away from where the arm was measured
-# (it grows with the square root of the distance between measured buckets, linearly beyond).
-DEFAULT_TIME_MODEL_SD = 0.04
 DEFAULT_MODEL_SAMPLE_SCALE = 1.0
-# Step-time ordering across buckets (see ModelPolicy._order_step_times): cells at most this
-# uncertain bound their neighbours, with this much slack (log step time).
-DEFAULT_ORDER_CONFIDENT_SD = 0.03
 # Young buckets measure the arm with the best mean + OPTIMISM sd first.
 DEFAULT_OPTIMISM = 1.0
 DEFAULT_YOUNG_STEPS = 500
 # z-score at which the short acceptance memory overrules the long one (a workload shift).
 DEFAULT_SHIFT_Z = 3.0
-# An arm is explored only with at least this posterior chance of beating the greedy one ...
-DEFAULT_EXPLORE_MIN_PROB = 0.05
-# ... and only if its expected goodput is at least this share of the greedy arm's.
-DEFAULT_EXPLORE_MIN_RATIO = 2.0 / 3.0
-DEFAULT_ORDER_SLACK = 0.02
-_RIDGE = 1e-4
 # Shift detector: the short acceptance memory (decode steps) and the evidence it needs.
 _FAST_GAMMA = 1.0 - 1.0 / 400.0
 _FAST_MIN_REQUEST_STEPS = 2_000.0
-_FAR_SD = 0.5  # prediction spread where the model has nothing to go on
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,33 +76,24 @@ class ModelParams(LearnerParams):
         acceptance_memory_steps: ... and in decode steps (both discount).
         acceptance_corr: request-steps per independent acceptance sample (>= 1).
         chain_delta: per-position decay δ of the chain model, in (0, 1].
-        time_model_sd: relative error of the step-time model next to measured buckets.
         sample_scale: posterior draws are scaled by this.
-        order_confident_sd: step-time cells at most this uncertain bound their neighbours.
-        order_slack: slack of that bound (log step time).
+        zero_arm_sd: prior spread of k = 0's own step-time intercept (relative), until k = 0
+            runs somewhere.
         optimism: for its first ``young_steps`` decode steps, a bucket runs the arm with
             the best mean + ``optimism`` standard deviations (0 = posterior sampling only).
         young_steps: see ``optimism``.
         shift_z: z-score at which recent acceptance overrules the long memory (a shift).
-        explore_min_prob: an arm is explored only with at least this posterior probability
-            of beating the greedy arm (0 = whatever the draw says).
-        explore_min_ratio: ... and only if its expected goodput (under the posterior) is at
-            least this share of the greedy arm's (0 = no such bar).
     """
 
     acceptance_memory_request_steps: float = DEFAULT_ACCEPTANCE_MEMORY_REQUEST_STEPS
     acceptance_memory_steps: float = DEFAULT_ACCEPTANCE_MEMORY_STEPS
     acceptance_corr: float = DEFAULT_ACCEPTANCE_CORR
     chain_delta: float = DEFAULT_CHAIN_DELTA
-    time_model_sd: float = DEFAULT_TIME_MODEL_SD
     sample_scale: float = DEFAULT_MODEL_SAMPLE_SCALE
-    order_confident_sd: float = DEFAULT_ORDER_CONFIDENT_SD
-    order_slack: float = DEFAULT_ORDER_SLACK
+    zero_arm_sd: float = DEFAULT_ZERO_ARM_SD
     optimism: float = DEFAULT_OPTIMISM
     young_steps: int = DEFAULT_YOUNG_STEPS
     shift_z: float = DEFAULT_SHIFT_Z
-    explore_min_prob: float = DEFAULT_EXPLORE_MIN_PROB
-    explore_min_ratio: float = DEFAULT_EXPLORE_MIN_RATIO
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -120,21 +102,13 @@ class ModelParams(LearnerParams):
         _require(1 <= self.acceptance_corr < math.inf, "acceptance_corr", ">= 1 and finite",
                  self.acceptance_corr)
         _require(0 < self.chain_delta <= 1, "chain_delta", "in (0, 1]", self.chain_delta)
-        _require(0 < self.time_model_sd < math.inf, "time_model_sd", "positive and finite",
-                 self.time_model_sd)
         _require(0 < self.sample_scale < math.inf, "sample_scale", "positive and finite",
                  self.sample_scale)
-        _require(0 <= self.order_confident_sd < math.inf, "order_confident_sd",
-                 ">= 0 and finite", self.order_confident_sd)
-        _require(0 <= self.order_slack < math.inf, "order_slack", ">= 0 and finite",
-                 self.order_slack)
+        _require(0 < self.zero_arm_sd < math.inf, "zero_arm_sd", "positive and finite",
+                 self.zero_arm_sd)
         _require(0 <= self.optimism < math.inf, "optimism", ">= 0 and finite", self.optimism)
         _require(isinstance(self.young_steps, int) and self.young_steps >= 0, "young_steps",
                  "an int >= 0", self.young_steps)
-        _require(0 <= self.explore_min_prob < 0.5, "explore_min_prob", "in [0, 0.5)",
-                 self.explore_min_prob)
-        _require(0 <= self.explore_min_ratio < 1, "explore_min_ratio", "in [0, 1)",
-                 self.explore_min_ratio)
         _require(0 < self.shift_z <= math.inf, "shift_z", "positive (inf = never)",
                  self.shift_z)
 
@@ -166,10 +140,8 @@ class ModelPolicy(LearningPolicy):
         self._time = [{k: ArmStats() for k in self.arms} for _ in range(len(self.buckets))]
         self._occ = [[0.0, 0.0] for _ in range(len(self.buckets))]  # discounted steps, steps*b
         self._pred: np.ndarray | None = None  # [bucket, arm] -> (mean, sd) of log goodput/req
-        self._theta: np.ndarray | None = None
-        self._comp: tuple[np.ndarray, dict[int, float], dict[int, float]] | None = None
+        self._comp: tuple[StepTimePosterior, dict[int, float], dict[int, float]] | None = None
         self._alpha = (0.7, 0.3)  # chain-model α and its standard error
-        self._bounds: tuple[np.ndarray, np.ndarray] | None = None  # log step-time bounds
 
     # --- learning -------------------------------------------------------------------------
 
@@ -289,169 +261,20 @@ class ModelPolicy(LearningPolicy):
         sd = math.sqrt(2 / curv) if curv > 0 else 0.3
         return alpha, min(sd, 0.3)
 
-    def _features(self, b: float, k: int) -> list[float]:
-        # Per-request cost (b) is shared by every arm, each draft token adds its own (b·k):
-        # so k = 0's growth in b is learnt from every arm, not only from where k = 0 ran.
-        # k = 0 keeps its own intercept (no verify of extra tokens, a lone draft extend).
-        z = 1.0 if k == 0 else 0.0
-        bs = b / 64.0
-        return [1.0, bs, k / 4.0, bs * k / 4.0, z]
-
-    def _time_model(self) -> np.ndarray:
-        """Log step time per (bucket, arm) from the other buckets: [bucket, arm, (mean, sd)].
-
-        A least-squares fit of the bilinear form to every measured (bucket, arm) cell, in
-        relative terms (each cell weighs by its steps, capped so one busy cell cannot
-        drown the shape), plus the residual field of the buckets that ran the arm. Its
-        spread is the fit's own parameter uncertainty at that point (large where the data
-        cannot tell, e.g. how k = 0 grows with b before it ran at two batch sizes) plus the
-        misfit carried by the residual field.
-        """
+    def _step_times(self) -> StepTimePosterior:
+        """Log step time per (bucket, arm): the cost model plus each cell's learned deviation
+        (:mod:`policies._step_time`), conditioned on every bucket's measured step times."""
         p = self.params
-        rows, ys, ws = [], [], []
-        for per_arm in self._time:
-            for k, t in per_arm.items():
-                if t.seen:
-                    rows.append(self._features(t.mean_b, k))
-                    ys.append(math.exp(t.mean))
-                    ws.append(min(t.w, 100.0) / 100.0)
-        nb, na = len(self.buckets), len(self.arms)
-        out = np.zeros((nb, na, 2))
-        rep = [self._rep_b(j) for j in range(nb)]
-        self._theta = None
-        if not rows:
-            out[:, :, 0] = math.log(0.01)
-            out[:, :, 1] = _FAR_SD
-            return out
-        x, y, w = np.array(rows), np.array(ys), np.array(ws)
-        sw = np.sqrt(w)
-        a = (x / y[:, None]) * sw[:, None]  # relative errors: rows x/y against target 1
-        gram = a.T @ a
-        reg = gram + _RIDGE * max(float(np.trace(gram)), 1e-12) * np.eye(x.shape[1])
-        inv = np.linalg.inv(reg)
-        theta = inv @ (a.T @ sw)
-        self._theta = theta
-        rel = 1.0 - (x @ theta) / y
-        dof = max(len(ys) - x.shape[1], 0)
-        # Misfit per unit weight, shrunk towards time_model_sd while cells are few.
-        unit2 = (4 * p.time_model_sd**2 + float(w @ (rel * rel))) / (4 + dof)
-        unit = math.sqrt(unit2)
-        cov = unit2 * inv
-        t_lo, t_hi = float(y.min()) * 0.3, float(y.max()) * 10.0
+        cells = [
+            Cell(bucket=j, arm=k, b=t.mean_b, log_t=t.mean,
+                 sd=t.mean_sd(p.timing_sd, p.prior_obs), weight=t.w)
+            for j, per_arm in enumerate(self._time) for k, t in per_arm.items() if t.seen
+        ]
+        rep = [self._rep_b(j) for j in range(len(self.buckets))]
+        return step_time_posterior(cells, rep, self.arms, zero_arm_sd=p.zero_arm_sd)
 
-        def fit(b: float, k: int) -> tuple[float, float]:
-            f = np.array(self._features(b, k))
-            pred = float(f @ theta)
-            if pred <= 0:
-                return math.log(t_lo), _FAR_SD
-            sd = math.sqrt(max(float(f @ cov @ f), 0.0)) / pred
-            return math.log(min(max(pred, t_lo), t_hi)), sd
-
-        for ai, k in enumerate(self.arms):
-            observed = [j for j in range(nb) if self._time[j][k].seen]
-            resid = {j: self._time[j][k].mean - fit(self._time[j][k].mean_b, k)[0]
-                     for j in observed}
-            prev = -math.inf
-            for j in range(nb):
-                base, sd_fit = fit(rep[j], k)
-                # The residual field of the *other* buckets that ran this arm (the bucket's
-                # own measurements enter as the likelihood, not twice): interpolated between
-                # the nearest on each side, carried flat beyond the last one.
-                left = max((i for i in observed if i < j), default=None)
-                right = min((i for i in observed if i > j), default=None)
-                if left is not None and right is not None:
-                    frac = (j - left) / (right - left)
-                    base += (1 - frac) * resid[left] + frac * resid[right]
-                    sd_field = unit * math.sqrt(min(j - left, right - j))
-                elif left is not None or right is not None:
-                    near = left if left is not None else right
-                    assert near is not None
-                    base += resid[near]
-                    sd_field = unit * abs(j - near)
-                else:
-                    sd_field = unit
-                # Monotone in b: a bigger batch never runs a step faster.
-                base = max(base, prev)
-                prev = base
-                out[j, ai] = (base, min(math.hypot(sd_fit, sd_field), _FAR_SD))
-        return out
-
-    def _step_times(self) -> np.ndarray:
-        """Log step time per [bucket, arm, (mean, sd)]: the model's prior combined with the
-        bucket's own measured step times, then held to the physics of speculation."""
-        p = self.params
-        t = self._time_model()
-        for j in range(len(self.buckets)):
-            b = self._rep_b(j)
-            for ai, k in enumerate(self.arms):
-                cell = self._time[j][k]
-                if not cell.seen:
-                    continue
-                # Measured at the cell's mean batch size; moved to the bucket's by the fit's
-                # slope. Within-cell spread (other b's, jitter) sets its weight.
-                m0, s0 = t[j, ai]
-                m1 = cell.mean + self._fit_log_t(b, k) - self._fit_log_t(cell.mean_b, k)
-                s1 = cell.mean_sd(p.timing_sd, p.prior_obs)
-                w0, w1 = 1 / (s0 * s0), 1 / (s1 * s1)
-                t[j, ai] = ((m0 * w0 + m1 * w1) / (w0 + w1), math.sqrt(1 / (w0 + w1)))
-        self._order_step_times(t)
-        return t
-
-    def _order_step_times(self, t: np.ndarray) -> None:  # noqa: C901 - one rule, two passes
-        """More drafting gets relatively dearer as the batch grows.
-
-        For arms ``k > k'`` the ratio ``T(b, k) / T(b, k')`` does not fall as ``b`` grows:
-        at small batches a step is bound by reading weights, at large ones by compute, and
-        drafting adds tokens. Where a bucket's ratio is unknown but its neighbours' are
-        measured, that bounds it: from below by the measured buckets under it, from above by
-        those over it (with a little slack for measurement noise). This is what keeps the
-        model from exploring deep drafting at large batches it has never run them at.
-        """
-        p = self.params
-        nb, na = len(self.buckets), len(self.arms)
-        # Bounds on each cell's log step time, for the sampler (draws are clipped to them).
-        lo_b = np.full((nb, na), -np.inf)
-        hi_b = np.full((nb, na), np.inf)
-        for hi in range(1, na):
-            for lo in range(hi):
-                sure = np.maximum(t[:, hi, 1], t[:, lo, 1]) <= p.order_confident_sd
-                floor = -math.inf  # the ratio measured in the buckets below
-                for j in range(nb):
-                    d = t[j, hi, 0] - t[j, lo, 0]
-                    if sure[j]:
-                        floor = max(floor, d)
-                        continue
-                    if d < floor - p.order_slack:
-                        self._move(t, j, hi, lo, floor - p.order_slack)
-                    if math.isfinite(floor):
-                        lo_b[j, hi] = max(lo_b[j, hi], t[j, lo, 0] + floor - p.order_slack)
-                        hi_b[j, lo] = min(hi_b[j, lo], t[j, hi, 0] - floor + p.order_slack)
-                ceil = math.inf  # ... and above
-                for j in reversed(range(nb)):
-                    d = t[j, hi, 0] - t[j, lo, 0]
-                    if sure[j]:
-                        ceil = min(ceil, d)
-                        continue
-                    if d > ceil + p.order_slack:
-                        self._move(t, j, hi, lo, ceil + p.order_slack)
-                    if math.isfinite(ceil):
-                        hi_b[j, hi] = min(hi_b[j, hi], t[j, lo, 0] + ceil + p.order_slack)
-                        lo_b[j, lo] = max(lo_b[j, lo], t[j, hi, 0] - ceil - p.order_slack)
-        self._bounds = (lo_b, np.maximum(hi_b, lo_b))
-
-    @staticmethod
-    def _move(t: np.ndarray, j: int, hi: int, lo: int, target: float) -> None:
-        # Move the less certain of the two arms onto the bound (log T_hi - log T_lo ==
-        # target). The bound is one-sided: the truth may lie well inside it, so the moved
-        # arm keeps its spread, widened by how far the model was off (draws are clipped to
-        # the bound's side).
-        a, other, sign = (hi, lo, 1.0) if t[j, hi, 1] >= t[j, lo, 1] else (lo, hi, -1.0)
-        new = t[j, other, 0] + sign * target
-        t[j, a, 1] = max(t[j, a, 1], abs(new - t[j, a, 0]))
-        t[j, a, 0] = new
-
-    def _components(self) -> tuple[np.ndarray, dict[int, float], dict[int, float]]:
-        """``(log step time [bucket, arm, 2], E[emitted] mean per arm, its sd per arm)``."""
+    def _components(self) -> tuple[StepTimePosterior, dict[int, float], dict[int, float]]:
+        """``(log step time posterior, E[emitted] mean per arm, its sd per arm)``."""
         if self._comp is None:
             mean, sd = self._acceptance()
             self._comp = (
@@ -470,19 +293,13 @@ class ModelPolicy(LearningPolicy):
         """
         if self._pred is None:
             t, em, em_sd = self._components()
-            pred = np.zeros_like(t)
+            pred = np.zeros((*t.mean.shape, 2))
             for ai, k in enumerate(self.arms):
                 rel = em_sd[k] / em[k]
-                pred[:, ai, 0] = math.log(em[k]) - t[:, ai, 0]
-                pred[:, ai, 1] = np.sqrt(rel * rel + t[:, ai, 1] ** 2)
+                pred[:, ai, 0] = math.log(em[k]) - t.mean[:, ai]
+                pred[:, ai, 1] = np.sqrt(rel * rel + t.sd[:, ai] ** 2)
             self._pred = pred
         return self._pred
-
-    def _fit_log_t(self, b: float, k: int) -> float:
-        theta = self._theta
-        if theta is None:
-            return 0.0
-        return math.log(max(float(np.dot(theta, self._features(b, k))), 1e-9))
 
     def _posterior(self) -> np.ndarray:
         return self._predictions()
@@ -519,62 +336,30 @@ class ModelPolicy(LearningPolicy):
             t, em, em_sd = self._components()
             values = []
             for ai, arm in enumerate(self.arms):
-                # Optimistic on both factors, but never past what the step-time ordering
-                # allows: a cell pinned by its measured neighbours keeps the model's wide
-                # spread (see _move), which must not make it look worth a dwell.
-                lt = t[j, ai, 0] - p.optimism * t[j, ai, 1]
-                if self._bounds is not None:
-                    lt = max(lt, self._bounds[0][j, ai])
+                lt = t.mean[j, ai] - p.optimism * t.sd[j, ai]
                 e = min(em[arm] + p.optimism * em_sd[arm], 1.0 + arm)
                 values.append(math.log(e) - lt)
             ai = max(range(len(self.arms)), key=lambda i: (values[i], -self.arms[i]))
-            arm = self.arms[ai]
-        else:
-            arm = self._sample(j, greedy)
-        return arm if arm == greedy or self._plausible(j, arm, greedy) else greedy
-
-    def _plausible(self, j: int, arm: int, greedy: int) -> bool:
-        """Whether a dwell on ``arm`` in bucket ``j`` is worth its price: at least
-        ``explore_min_prob`` chance of beating ``greedy``, and an expected goodput of at
-        least ``explore_min_ratio`` of the greedy arm's.
-
-        A posterior draw far in an arm's tail buys a whole decision period of it, hundreds of
-        decode steps at small batches. An arm never run anywhere has the model's widest
-        spread, so it keeps a few percent of chance even where the model puts it at half the
-        greedy arm's goodput (k = 0 at one request on a code workload): one such dwell costs
-        as much as the phase's whole tolerance. The expected ratio defers it to buckets where
-        it is close, which teach the model as much about it for a fraction of the price.
-        """
-        p = self.params
-        post = self._posterior()[j]
-        ai, gi = self.arms.index(arm), self.arms.index(greedy)
-        diff = post[ai, 0] - post[gi, 0]
-        sd = math.hypot(post[ai, 1], post[gi, 1])
-        if p.explore_min_ratio > 0 and diff + 0.5 * sd * sd < math.log(p.explore_min_ratio):
-            return False  # E[g_arm / g_greedy] (log-normal) below the bar
-        if p.explore_min_prob <= 0:
-            return True
-        if sd <= 0:
-            return diff > 0
-        return 0.5 * math.erfc(-diff / (sd * math.sqrt(2))) >= p.explore_min_prob
+            return self.arms[ai]
+        return self._sample(j, greedy)
 
     def _sample(self, j: int, greedy: int) -> int:
         """One posterior draw per arm. Acceptance is one quantity for all arms: one draw of
         the chain model's α moves every arm's emitted tokens together (so an arm cannot look
-        better through acceptance that the others do not share), and never past ``k + 1``."""
+        better through acceptance that the others do not share), and never past ``k + 1``.
+        Step times are drawn jointly per bucket for the same reason."""
         t, em, em_sd = self._components()
         p = self.params
         scale, gauss = p.sample_scale, self._rng.gauss
         alpha, alpha_sd = self._alpha
         drawn = min(max(alpha + scale * alpha_sd * gauss(0, 1), 0.0), 1.0)
+        log_t = t.draw(j, self._rng)
         best_arm, best_draw = greedy, -math.inf
         for ai, arm in enumerate(self.arms):
             shift = (expected_accepted(drawn, p.chain_delta, arm)
                      - expected_accepted(alpha, p.chain_delta, arm))
             e = min(max(em[arm] + shift, 1.0), 1.0 + arm)
-            lt = t[j, ai, 0] + scale * t[j, ai, 1] * gauss(0, 1)
-            if self._bounds is not None:
-                lt = min(max(lt, self._bounds[0][j, ai]), self._bounds[1][j, ai])
+            lt = t.mean[j, ai] + scale * (float(log_t[ai]) - t.mean[j, ai])
             draw = math.log(e) - lt
             if draw > best_draw:
                 best_arm, best_draw = arm, draw

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from policies import Buckets, Observation, expected_emitted, make_policy
+from collections.abc import Callable
+
+import pytest
+
+from policies import Buckets, ModelPolicy, Observation, expected_emitted, make_policy
 
 ARMS = (0, 1, 3, 5)
 
@@ -54,61 +58,84 @@ def test_acceptance_shift_is_detected_and_followed():
     assert any("acceptance changed" in n for n in p.snapshot().notes)
 
 
-def test_explore_min_prob_is_validated():
-    import pytest
+def moe_step_s(b: int, k: int) -> float:
+    # Mixture of experts (128 experts, top-8): a step reads the experts its b·(k+1) tokens
+    # route to, which saturates, so deep drafts get relatively cheaper up to mid batches.
+    n = b * (k + 1)
+    draft = 0.2 + 0.002 * b
+    return (2 + 10 * (1 - (1 - 8 / 128) ** n) + 0.01 * n + (k + 1) * draft) / 1000
 
-    with pytest.raises(ValueError, match="explore_min_prob"):
-        make_policy("model", arms=ARMS, explore_min_prob=0.5)
+
+def surface_obs(step: Callable[[int, int], float], b: int, k: int, steps: int = 200
+                ) -> Observation:
+    emitted = round(expected_emitted(0.8, 1.0, k) * b * steps)
+    return Observation(b, k, steps, emitted, emitted - b * steps, k * b * steps,
+                       step(b, k) * steps)
 
 
-def _explored(explore_min_prob: float, b: int = 1) -> set[int]:
-    """Arms a model policy proposes at ``b`` over 150 decisions fed with what it chose."""
+def surface_best(step: Callable[[int, int], float], b: int) -> int:
+    return max(ARMS7, key=lambda k: expected_emitted(0.8, 1.0, k) / step(b, k))
+
+
+ARMS7 = (0, 1, 3, 5, 7)
+
+
+def _run_mid_batch(step: Callable[[int, int], float], seed: int
+                   ) -> tuple[ModelPolicy, int, list[int]]:
+    """k = 7 measured at one request only; every other arm at 1, 16 and 64. Then 150
+    decisions at b = 16, each fed what the policy chose."""
     buckets = Buckets()
-    j = buckets.index(b)
-    p = make_policy("model", arms=ARMS, seed=3, explore_min_prob=explore_min_prob)
-    for k in ARMS:
-        p.update(obs(b, k, 0.8, steps=20))
-    seen = set()
+    j = buckets.index(16)
+    p = make_policy("model", arms=ARMS7, seed=seed)
+    assert isinstance(p, ModelPolicy)
+    for _ in range(3):
+        for b in (1, 16, 64):
+            for k in ARMS7 if b == 1 else ARMS7[:-1]:
+                assert p.update(surface_obs(step, b, k))
+    first = p.snapshot().chosen[j]
+    chosen = []
     for _ in range(150):
         k = buckets.arms_of(p.propose())[j]
-        seen.add(k)
-        p.update(obs(b, k, 0.8, steps=50))
-    return seen
+        chosen.append(k)
+        p.update(surface_obs(step, 16, k, steps=50))
+    return p, first, chosen
 
 
-def test_an_arm_with_little_chance_of_winning_is_not_explored():
-    # Without the floor the posterior occasionally draws k=3 at b=1 (the best is k=5);
-    # with it, only arms with a real chance of winning are tried.
-    assert _explored(0.0) > {best_arm(1, 0.8)}
-    assert _explored(0.45) == {best_arm(1, 0.8)}
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_deep_draft_the_cost_model_rules_out_is_tried_where_the_model_misfits(seed):
+    # On the MoE surface k = 7 loses at one request (where it was measured) and wins at 16;
+    # a bilinear cost model carries the first to the second. The cells' misfit widens the
+    # unmeasured k = 7 at b = 16: it is tried, and wins.
+    assert surface_best(moe_step_s, 1) == 3 and surface_best(moe_step_s, 16) == 7
+    p, first, chosen = _run_mid_batch(moe_step_s, seed)
+    assert first != 7 and 7 in chosen
+    assert p.snapshot().chosen[Buckets().index(16)] == 7
 
 
-def _explored_unmeasured(explore_min_ratio: float, b: int = 1) -> set[int]:
-    """Arms proposed at ``b`` over 200 decisions when k = 0 never ran anywhere."""
-    buckets = Buckets()
-    j = buckets.index(b)
-    p = make_policy("model", arms=ARMS, seed=5, explore_min_ratio=explore_min_ratio)
-    for k in ARMS[1:]:
-        p.update(obs(b, k, 0.7, steps=20))
-    seen = set()
-    for _ in range(200):
-        k = buckets.arms_of(p.propose())[j]
-        seen.add(k)
-        p.update(obs(b, k, 0.7, steps=50))
-    return seen
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_where_the_cost_model_fits_nothing_is_explored(seed):
+    # The same history on the bilinear surface: the model fits, the unmeasured k = 7 at
+    # b = 16 is predicted tightly (far behind), and the bucket stays on its best arm.
+    assert surface_best(step_s_all, 16) == 3
+    p, first, chosen = _run_mid_batch(step_s_all, seed)
+    assert first == 3 and set(chosen) == {3}
 
 
-def test_an_arm_expected_far_below_the_greedy_one_waits_for_a_cheaper_bucket():
-    # k = 0 has never run, so the model's widest spread leaves it a few percent of chance at
-    # one request, where it delivers half of k = 3's goodput; one dwell there costs more
-    # than the tolerance. The expected-ratio bar skips it; without the bar it is tried.
-    assert best_arm(1, 0.7) == 3
-    assert 0 in _explored_unmeasured(0.0)
-    assert 0 not in _explored_unmeasured(2 / 3)
+def step_s_all(b: int, k: int) -> float:
+    return step_s(b, k)
 
 
-def test_explore_min_ratio_is_validated():
-    import pytest
+def test_every_arm_of_a_bucket_with_traffic_keeps_a_chance():
+    # k = 0 never ran anywhere, k = 7 only at b = 1: the posterior still gives every arm of
+    # every bucket with traffic a spread, so none is excluded by the model alone.
+    p, _, _ = _run_mid_batch(moe_step_s, 0)
+    snap = p.snapshot()
+    for j in {Buckets().index(b) for b in (1, 16, 64)}:
+        arms = {e.arm: e for e in snap.estimates if e.bucket == j}
+        assert set(arms) == set(ARMS7)
+        assert all(e.std > 0 and e.estimate > 0 for e in arms.values())
 
-    with pytest.raises(ValueError, match="explore_min_ratio"):
-        make_policy("model", arms=ARMS, explore_min_ratio=1.0)
+
+def test_zero_arm_sd_is_validated():
+    with pytest.raises(ValueError, match="zero_arm_sd"):
+        make_policy("model", arms=ARMS, zero_arm_sd=0.0)
