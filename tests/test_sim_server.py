@@ -59,12 +59,13 @@ def test_push_a_table_then_refuse_a_bad_one_and_a_nested_value(client):
     assert state.table == table and state.policy_version == 1
     assert state.updates_rejected == 1 and "not a built arm" in (state.last_rejection or "")
 
+    # SGLang's request validation: 400 with its error object (checked on a real server).
     r = client.post("/set_internal_state", json={"server_args": {"dynspec_table": {"0": [8, 5]}}})
-    assert r.status_code == 422
+    assert r.status_code == 400 and r.json()["type"] == "Bad Request"
     r = client.post("/set_internal_state", json={"server_args": {"dynspec_version": None}})
-    assert r.status_code == 422
+    assert r.status_code == 400
     r = client.post("/set_internal_state", content=b"{not json")
-    assert r.status_code == 422
+    assert r.status_code == 400
     state = _dynspec(client)
     assert (state.table, state.policy_version, state.updates_rejected) == (table, 1, 1)
 

@@ -4,8 +4,9 @@ SGLang 0.5.23 shapes them (``shared/sglang-integration.md`` §4-6).
 - ``GET /health`` — 200 with an empty body.
 - ``GET /server_info`` (alias ``/get_server_info``) — flat server args as SGLang names them
   plus ``internal_states``: one dict per DP replica holding ``"dynspec": core.readout()``.
-- ``POST|PUT /set_internal_state`` — ``{"server_args": {key: number}}``; a nested object or a
-  non-numeric value answers 422 (SGLang's request validation); otherwise the reply is a JSON
+- ``POST|PUT /set_internal_state`` — ``{"server_args": {key: number}}``; a nested object, a
+  non-numeric value or a body that is not JSON answers 400 with SGLang's error object (its
+  request validation); otherwise the reply is a JSON
   list with one boolean per DP replica, from ``core.apply_update`` (atomic, never raises).
 - ``GET /metrics`` — Prometheus text with SGLang's metric names.
 - ``GET /v1/loads`` — per-replica load snapshot.
@@ -369,14 +370,18 @@ class SimServer:
     def _internal_state(self) -> dict[str, Any]:
         eng = self.engine
         c = eng.counters
-        return {
-            "startup_time": eng.core.started_at,
+        state = {
+            # SGLang 0.5.23: the start-up phases' durations in seconds, not a timestamp.
+            "startup_time": {"load_weight": 0.0, "kv_cache_allocation": 0.0,
+                             "scheduler_e2e": 0.0, "cuda_graph": {}},
             "effective_max_running_requests_per_dp": eng.max_running,
             "last_gen_throughput": c.gauges["gen_throughput"],
-            "avg_spec_accept_length": c.avg_spec_accept_length,
             "memory_usage": {"weight": 0.0, "kvcache": 0.0, "graph": 0.0},
             "dynspec": eng.core.readout(),
         }
+        if c.request_steps:  # SGLang leaves it out until its accept counters have a value
+            state["avg_spec_accept_length"] = c.avg_spec_accept_length
+        return state
 
     def _server_info(self, req: HttpRequest) -> HttpResponse:
         with self.lock:
@@ -403,12 +408,12 @@ class SimServer:
             req.headers.get("authorization", "").encode(), f"Bearer {self.admin_api_key}".encode()
         ):
             return HttpResponse.json({"error": "Unauthorized"}, 401)
-        body = _json_body(req)
+        body = _json_body(req, sglang_400=True)
         if isinstance(body, HttpResponse):
             return body
         problem = _validate_set_internal_state(body)
         if problem is not None:
-            return HttpResponse.json({"detail": [problem]}, 422)
+            return _bad_request(f"1 validation error: {problem}")
         args = body["server_args"]
         # Coerce as pydantic does (true -> 1, "3" -> 3) before the scheduler sees it.
         coerced = {k: _coerce_number(v) for k, v in args.items()}
@@ -630,10 +635,18 @@ def sglang_start_arm(arms: Iterable[int]) -> int:
     return ordered[len(ordered) // 2]
 
 
-def _json_body(req: HttpRequest) -> Any:
+def _bad_request(message: str) -> HttpResponse:
+    """SGLang 0.5.23's answer to a body its request validation refuses."""
+    return HttpResponse.json({"object": "error", "message": message, "type": "Bad Request",
+                              "param": None, "code": 400}, 400)  # fmt: skip
+
+
+def _json_body(req: HttpRequest, *, sglang_400: bool = False) -> Any:
     try:
         return json.loads(req.body or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        if sglang_400:  # checked against SGLang 0.5.23 for /set_internal_state only
+            return _bad_request(f"JSON decode error: {exc}")
         return HttpResponse.json(
             {
                 "detail": [
