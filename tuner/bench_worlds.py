@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 # 1 → 256 requests and back down in seven phases of 90 s (60 s scored after the default bench's
-# 30 s warm-up, as in the default bench): 50 worlds × 3 policies take ~2.5 minutes on 2 cores.
+# 30 s warm-up, as in the default bench): 50 worlds × 3 policies take ~3 minutes on 2 cores.
 DEFAULT_WORLD_LOAD = "90:1,90:4,90:16,90:64,90:256,90:16,90:2"
 # What the targets compare: the default against the better of the two plain bandits.
 DEFAULT_WORLD_POLICIES = tuple(dict.fromkeys(("thompson", "ucb", DEFAULT_POLICY)))
