@@ -64,11 +64,21 @@ def test_render_and_json_name_the_worst_world_with_its_parameters():
     res = _result()
     text = "\n".join(render_worlds(res))
     assert "worst world: world-2 (seed 0)" in text and "its parameters: {'index': 2" in text
-    assert "[FAIL] never below 95 %: worst 94.0 % on world-2" in text
+    assert "[FAIL] never below 95 % after warm-up: worst 94.0 % on world-2" in text
     data = res.to_json()
+    assert [t["ok"] for t in data["targets"]] == [False, False, True, False]
+    assert "3 phases over" in data["targets"][3]["detail"]
     assert [r["world"] for r in data["runs"]] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     assert data["summary"]["bandit_gap"]["worst_points"] == pytest.approx(6.0)
     assert data["worlds"][2]["params"]["index"] == 2
+
+
+def test_gap_target_is_not_applicable_without_the_bandits():
+    res = _result()
+    only = WorldBenchResult(config=res.config, worlds=res.worlds, skipped=(), wall_s=1.0,
+                            runs=tuple(r for r in res.runs if r.policy == DEFAULT_POLICY))
+    assert only.checks()[3].ok is None
+    assert only.checks(policy="ucb") == []
 
 
 def test_config_refuses_bad_worlds_and_policies():

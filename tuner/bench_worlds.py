@@ -31,6 +31,7 @@ from tuner.bench import (
     SGLANG_REAL,
     BenchConfig,
     RunResult,
+    TargetCheck,
     _run_json,
     parse_policy_spec,
     run_one,
@@ -42,6 +43,7 @@ from tuner.sim.worlds import World, make_world
 __all__ = [
     "DEFAULT_WORLD_LOAD",
     "DEFAULT_WORLD_POLICIES",
+    "WORLD_TARGETS",
     "WORLD_TARGET_PCT",
     "WorldBenchConfig",
     "WorldBenchResult",
@@ -61,6 +63,13 @@ WORLD_FLOOR_PCT = 95.0
 WORLD_SHARE = 0.95
 # "In no phase more than 1 point below the best of thompson and ucb."
 BANDIT_MARGIN = 1.0
+WORLD_EXPLORE_PCT = 2.0
+WORLD_TARGETS = (
+    ">= 98 % after warm-up in every phase on >= 95 % of worlds",
+    "never below 95 % after warm-up",
+    "<= 2 % of tokens lost to exploration in every world",
+    "in no phase more than 1 point below the best of thompson and ucb",
+)
 _BANDITS = ("thompson", "ucb")
 
 
@@ -155,6 +164,25 @@ class WorldBenchResult:
                     gap, where = d, f"{w.name} phase {i} (c={ph.concurrency})"
         return (gap if math.isfinite(gap) else math.nan), where, over
 
+    def checks(self, policy: str = DEFAULT_POLICY) -> list[TargetCheck]:
+        """Issue 13's world targets for ``policy`` (empty when it was not run)."""
+        mine = next((s for s in self.summaries() if s.policy == policy), None)
+        if mine is None:
+            return []
+        gap, where, over = self.bandit_gap(policy)
+        return [
+            TargetCheck(WORLD_TARGETS[0], mine.share_ok >= WORLD_SHARE,
+                        f"{100 * mine.share_ok:.0f}% of {mine.worlds}"),
+            TargetCheck(WORLD_TARGETS[1], mine.below_floor == 0,
+                        f"worst {mine.worst_pct:.1f} % on world-{mine.worst_world}"),
+            TargetCheck(WORLD_TARGETS[2], mine.max_explore_pct <= WORLD_EXPLORE_PCT,
+                        f"at most {mine.max_explore_pct:.2f}% "
+                        f"(mean {mine.mean_explore_pct:.2f}%)"),
+            TargetCheck(WORLD_TARGETS[3], None if not math.isfinite(gap) else over == 0,
+                        "thompson and ucb not run" if not math.isfinite(gap)
+                        else f"{over} phases over; worst {gap:+.1f} points at {where}"),
+        ]
+
     def to_json(self) -> dict[str, Any]:
         runs = []
         for r in self.runs:
@@ -170,6 +198,7 @@ class WorldBenchResult:
             "skipped": list(self.skipped),
             "worlds": [{"index": w.index, "seed": w.seed, "description": w.describe(),
                         "params": w.params()} for w in self.worlds],
+            "targets": [asdict(c) for c in self.checks()],
             "summary": {
                 "policies": _finite(summaries),
                 "bandit_gap": {"worst_points": _num(gap), "where": where,
@@ -271,21 +300,9 @@ def render_worlds(result: WorldBenchResult, *, policy: str = DEFAULT_POLICY) -> 
         worst = make_world(mine.worst_world, result.config.world_seed)
         lines.append("")
         lines.append(f"targets for the default policy ({policy}, marked *):")
-        ok = mine.share_ok >= WORLD_SHARE
-        lines.append(f"  [{'PASS' if ok else 'FAIL'}] >= 98 % after warm-up in every phase on "
-                     f">= 95 % of worlds: {100 * mine.share_ok:.0f}% of {mine.worlds}")
-        ok = mine.below_floor == 0
-        lines.append(f"  [{'PASS' if ok else 'FAIL'}] never below 95 %: worst "
-                     f"{pct(mine.worst_pct)} % on {worst.name}")
-        ok = mine.max_explore_pct <= 2.0
-        lines.append(f"  [{'PASS' if ok else 'FAIL'}] <= 2 % of tokens lost to exploration: "
-                     f"at most {mine.max_explore_pct:.2f}% (mean {mine.mean_explore_pct:.2f}%)")
-        gap, where, over = result.bandit_gap(policy)
-        if math.isfinite(gap):
-            ok = over == 0
-            lines.append(f"  [{'PASS' if ok else 'FAIL'}] in no phase more than 1 point below "
-                         f"the best of thompson and ucb: {over} phases over; worst "
-                         f"{gap:+.1f} points at {where}")
+        for c in result.checks(policy):
+            verdict = "n/a" if c.ok is None else "PASS" if c.ok else "FAIL"
+            lines.append(f"  [{verdict}] {c.target}: {c.detail}")
         lines.append(f"  worst world: {worst.describe()}")
         lines.append(f"  its parameters: {_rounded(worst.params())}")
     for line in result.skipped:
