@@ -288,13 +288,13 @@ _RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
 def parse_world_range(spec: str) -> tuple[int, ...]:
     """World indices from ``"50"`` (worlds 0–49), ``"0-49"``, ``"50-99"`` or ``"3,7,10-12"``.
 
-    A single bare number is a count; ranges are inclusive; a list mixes both forms only as
-    ranges and single indices (``"3,7"`` = worlds 3 and 7).
+    A bare number alone is a count; inside a comma list it is one index (``"3,7"`` = worlds
+    3 and 7). Ranges are inclusive; repeats are dropped.
 
     Raises:
         ConfigError: anything else, naming the bad part.
     """
-    parts = [p for p in str(spec).split(",")]
+    parts = str(spec).split(",")
     out: list[int] = []
     for part in parts:
         m = _RANGE.match(part)
