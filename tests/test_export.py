@@ -145,8 +145,13 @@ def test_unwritable_output_names_the_path(history: str, tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with Storage(history, read_only=True) as st:
-        with pytest.raises(ConfigError, match="cannot write"):
+        with pytest.raises(ConfigError, match="does not exist"):
             export(st, fmt="sglang-adaptive", out=blocker / "sub" / "a.json")
+        with pytest.raises(ConfigError, match="is not a folder"):
+            export(st, fmt="sglang-adaptive", out=blocker / "a.json")
+        with pytest.raises(ConfigError, match="is a folder"):
+            export(st, fmt="sglang-adaptive", out=tmp_path)
+    assert not (blocker.parent / "sub").exists()
 
 
 def test_cli_export(history: str, tmp_path: Path, capsys) -> None:
@@ -163,3 +168,55 @@ def test_cli_export(history: str, tmp_path: Path, capsys) -> None:
     assert "best arm per bucket" in capsys.readouterr().out
     assert main(["export", "--db", history, "--format", "sglang-adaptive", "--out", str(out),
                  "--server", "nobody:1"]) == 2
+
+
+def _arm(k: int, goodput: float, intervals: int, half: float = 1.0):
+    from tuner.report import ArmStat
+
+    return ArmStat(arm=k, goodput=goodput, ci_low=goodput - half, ci_high=goodput + half,
+                   decode_steps=100 * intervals, intervals=intervals, busy_s=1.0,
+                   emitted_tokens=1, raw_goodput=goodput, mean_b=1.0, accepted_per_step=None,
+                   acceptance_rate=None)
+
+
+def _bucket(i: int, edges: Buckets, *arms):
+    from tuner.report import BucketReport
+
+    low, high = edges.bounds(i)
+    return BucketReport(index=i, label=edges.label(i), low=low, high=high, b_ref=1.0,
+                        arms=tuple(arms), chosen=None, best=None, gain_vs_off=None,
+                        gain_vs_always=None)
+
+
+def test_data_tables_say_which_batch_sizes_had_no_data_and_how_they_were_filled() -> None:
+    from tuner.export import table_from_buckets
+
+    edges = Buckets((2, 8, 16, 64))  # buckets 1-2, 3-8, 9-16, 17-64, >64
+    buckets = [
+        _bucket(0, edges, _arm(5, 300, 50), _arm(3, 900, 4)),  # k3: 4 intervals only
+        _bucket(1, edges),  # no data, between measured buckets
+        _bucket(2, edges, _arm(5, 500, 40, half=30), _arm(1, 480, 40, half=30)),  # overlap
+        _bucket(3, edges), _bucket(4, edges),  # nothing measured above b=16
+    ]
+    table, notes = table_from_buckets(buckets, edges)
+    assert table == ((None, 5),)  # 4 intervals do not beat 50; the top arm carries on
+    text = "\n".join(notes)
+    assert "no data from b=17 up: the table stops at the largest measured bucket (9-16)" in text
+    assert "no data at b 3-8 (k5 from 1-2)" in text
+    assert "b 1-2: k3 left out (fewer than 5 intervals)" in text
+    assert "b 9-16: k5 over k1 by the point estimate only" in text
+
+
+def test_export_from_data_writes_the_notes_into_the_file_and_warns(tmp_path: Path) -> None:
+    from tuner import policyfile
+
+    db = f"sqlite:///{tmp_path / 'h.db'}"
+    with Storage(db) as st:
+        st.record_tick(servers=[ServerSeen("a:1", (0, 5), T0, T0)], observations=[
+            ObservationRecord("a:1", T0 + i, 4, 5, 100, 900, 400, 500, 1.0) for i in range(6)])
+    out = tmp_path / "p.json"
+    with Storage(db, read_only=True) as st:
+        result = export(st, fmt="dynspec", out=out, source="data", now=T0 + 100)
+    assert any("no data from b=5 up" in w for w in result.warnings)
+    notes = policyfile.load(out).provenance.notes
+    assert notes and "the table stops at the largest measured bucket" in notes[0]

@@ -79,8 +79,9 @@ def test_a_failed_export_leaves_the_previous_file_untouched(history: str,
         before = out.read_text()
         with pytest.raises(ConfigError):
             export(st, fmt="dynspec", out=out, server="nobody:1")
-        with pytest.raises(ConfigError, match="cannot write"):
+        with pytest.raises(ConfigError, match="does not exist"):
             export(st, fmt="dynspec", out=tmp_path / "missing-dir" / "x" / "p.json")
+    assert not (tmp_path / "missing-dir").exists()  # one rule for --out: no folders made
     assert out.read_text() == before
     assert json.loads(before)["format"] == "dynspec-policy"
 

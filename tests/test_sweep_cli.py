@@ -26,6 +26,7 @@ def test_sweep_against_the_simulator_pins_arms_restores_the_table_and_writes_out
 ):
     db = f"sqlite:///{tmp_path / 'sweep.db'}"
     out = tmp_path / "out" / "sw.json"
+    out.parent.mkdir()  # --out never creates folders (tuner.outfiles)
     with SimServer(profile="seed-kimi-pcie", speed=10.0, seed=3) as sim:
         address = f"127.0.0.1:{sim.port}"
         client = SGLangClient(address)

@@ -436,10 +436,10 @@ def _cmd_sim(args: argparse.Namespace) -> int:
             raise ConfigError(f"policy file {exc}") from exc
     if not args.speed > 0:
         raise ConfigError(f"--speed must be > 0, got {args.speed}")
-    if args.max_running is not None and args.max_running < 1:
-        raise ConfigError(f"--max-running must be >= 1, got {args.max_running}")
-    if not args.arms or min(args.arms) < 0:
-        raise ConfigError(f"--arms must be integers >= 0, got {args.arms}")
+    if args.max_running is not None and not 1 <= args.max_running <= 100_000:
+        raise ConfigError(f"--max-running must be in 1..100000, got {args.max_running}")
+    if not args.arms or min(args.arms) < 0 or max(args.arms) > 64:
+        raise ConfigError(f"--arms must be integers in 0..64, got {args.arms}")
     profile = load_profile(args.profile, extrapolate=args.extrapolate)
     workload = get_workload(args.workload)
     load = parse_load(args.load, seed=args.seed)
@@ -466,6 +466,8 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         server.start()
     except OSError as exc:
         raise ConfigError(f"cannot listen on {args.host}:{args.port}: {exc}") from exc
+    except ValueError as exc:  # a setting the simulator cannot run with (named in exc)
+        raise ConfigError(f"simulator: {exc}") from exc
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     eng = server.engine
@@ -680,6 +682,8 @@ def _calibrate_from_db(args: argparse.Namespace) -> int:
     if args.server is None:
         raise ConfigError("--from-db needs --server ADDR (the server whose history to fit)")
     max_bs = DEFAULT_GRAPH_MAX_BS if args.graph_max_bs is None else args.graph_max_bs
+    if not 1 <= max_bs <= 65536:  # SGLang captures a few hundred at most
+        raise ConfigError(f"--graph-max-bs must be in 1..65536, got {max_bs}")
     graph_bs = None if args.no_graph_padding else cuda_graph_bs(max_bs)
     with Storage(args.from_db, read_only=True) as st:
         try:
@@ -701,18 +705,20 @@ def _calibrate_from_db(args: argparse.Namespace) -> int:
     table.add_column("b", justify="right")
     for q in qs:
         table.add_column(f"q={q}", justify="right")
+    # A mark per kind as well as a colour: colours are lost in a pipe or a log.
     style = {"measured": "bold", "interpolated": "cyan", "extrapolated": "yellow"}
+    mark = {"measured": "", "interpolated": "~", "extrapolated": "^"}
     cells = {(r.b, r.q): r for r in result.rows}
     for b in sorted({r.b for r in result.rows}):
         row = [str(b)]
         for q in qs:
             r = cells[(b, q)]
-            row.append(f"[{style[r.source]}]{r.target_ms:.3f}{'' if r.source == 'measured' else '*'}[/]")
+            row.append(f"[{style[r.source]}]{r.target_ms:.3f}{mark[r.source]}[/]")
         table.add_row(*row)
     console.print(table)
     console.print(
-        f"cells: {result.count('measured')} measured (bold), {result.count('interpolated')} "
-        f"interpolated (cyan*), {result.count('extrapolated')} extrapolated (yellow*); "
+        f"cells: {result.count('measured')} measured (no mark), {result.count('interpolated')} "
+        f"interpolated (~), {result.count('extrapolated')} extrapolated (^); "
         f"draft = {args.draft_ratio:g} x target",
         markup=False,
     )
@@ -1217,6 +1223,7 @@ class _SweepView:
 def _cmd_sweep(args: argparse.Namespace) -> int:
     import asyncio
     import contextlib
+    import math
     import os
 
     import optuna
@@ -1236,6 +1243,10 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if args.simulate and args.server:
         raise ConfigError("--simulate starts its own server; drop --server")
+    if args.seed < 0:
+        raise ConfigError(f"--seed must be >= 0, got {args.seed}")
+    if not (args.speed > 0 and math.isfinite(args.speed)):
+        raise ConfigError(f"--speed must be a positive number, got {args.speed}")
     prompts = load_prompts(args.prompts) if args.prompts else synthetic_prompts(seed=args.seed)
     load_config = LoadConfig(
         endpoint=args.endpoint, max_tokens=args.max_tokens, model=args.model, seed=args.seed,
@@ -1248,6 +1259,9 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         api_key = os.environ["DYNSPEC_API_KEY"].strip()
     elif os.environ.get("DYNSPEC_API_KEY_FILE", "").strip():
         api_key = read_api_key_file(os.environ["DYNSPEC_API_KEY_FILE"].strip())
+    from tuner.outfiles import check_out
+
+    check_out(args.out)  # before minutes of measuring, not after
     out_json = args.out if args.out.suffix == ".json" else args.out.with_suffix(".json")
 
     with contextlib.ExitStack() as stack:
@@ -1416,7 +1430,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv:  # a bare command: show what there is to run
         parser.print_help(sys.stderr)
         return 2
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except Exception as exc:  # a flag's converter raised what argparse does not catch
+        if "--debug" in argv:
+            raise
+        err_console.print(f"dynspec-tuner: error: a bad value on the command line "
+                          f"({type(exc).__name__}: {exc})", markup=False, soft_wrap=True)
+        return 2
     from tuner.logging_setup import configure_logging
 
     configure_logging(level=args.log_level, fmt=args.log_format, debug=args.debug)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any
 
 import httpx
@@ -241,6 +242,9 @@ def _short(value: object, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+_TITLE = re.compile(r"<title[^>]*>(.*?)</title>", re.IGNORECASE | re.DOTALL)
+
+
 def _excerpt(response: httpx.Response, limit: int = 160) -> str:
     try:
         text = response.text.strip().replace("\n", " ")
@@ -248,4 +252,9 @@ def _excerpt(response: httpx.Response, limit: int = 160) -> str:
         return ""
     if not text:
         return ""
+    kind = response.headers.get("content-type", "")
+    if "html" in kind or text[:1] == "<":  # a web page, not an API: name it, do not paste it
+        title = _TITLE.search(text)
+        name = " ".join(title.group(1).split())[:80] if title else ""
+        return f": an HTML page{f' titled {name!r}' if name else ''}, not SGLang's API"
     return ": " + (text if len(text) <= limit else text[: limit - 3] + "...")

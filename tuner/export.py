@@ -5,8 +5,12 @@ Where the table comes from (``source``):
 - ``policy``: the last table recorded for the server in the history (the last one the server
   *applied*; with only dry runs recorded, the last dry-run decision);
 - ``data``: re-derived now, greedily per bucket, from the stored observations in the window
-  (the arm with the highest estimated goodput, as ``dynspec-tuner report`` shows it; a bucket
-  without data takes the arm of the nearest bucket that has data, the lower one on a tie);
+  (the arm with the highest estimated goodput among arms with at least
+  ``DEFAULT_MIN_INTERVALS`` sampling intervals, as ``dynspec-tuner report`` shows it). A bucket
+  without such data between measured ones takes the arm of the nearest measured bucket (the
+  lower one on a tie); every bucket above the largest measured one keeps that bucket's arm
+  (the table stops at the largest measured batch size). Both are listed, in a warning and in
+  the file's notes, as is a bucket whose choice its 95 % intervals do not separate;
 - ``auto`` (default): ``policy`` when a table was recorded, else ``data`` (a server watched in
   metrics-only mode never had a table pushed).
 
@@ -50,6 +54,7 @@ if TYPE_CHECKING:
     from storage import Storage
 
 __all__ = [
+    "DEFAULT_MIN_INTERVALS",
     "EXPORT_FORMATS",
     "SGLANG_ADAPTIVE_FORMAT",
     "SOURCES",
@@ -65,6 +70,9 @@ __all__ = [
 
 EXPORT_FORMATS = ("sglang-adaptive", "dynspec")
 SOURCES = ("auto", "policy", "data")
+# An arm needs this many sampling intervals in a bucket to be chosen from data: a handful of
+# intervals gives an interval too wide to stand against an arm measured a hundred times.
+DEFAULT_MIN_INTERVALS = 5
 # Marks our files; SGLang ignores non-digit top-level keys except as slot defaults, and a
 # slot reads only the fields it knows.
 SGLANG_ADAPTIVE_FORMAT = "dynspec-sglang-adaptive/1"
@@ -84,6 +92,7 @@ class LearnedTable:
     decided_at: float | None  # when it was recorded (policy source)
     report: ServerReport  # estimates behind it, and the data window
     buckets: Buckets  # the buckets the estimates are given for
+    notes: tuple[str, ...] = ()  # buckets without data and how they were filled, ties
 
 
 @dataclass(frozen=True)
@@ -96,23 +105,64 @@ class ExportResult:
 # --- where the table comes from -----------------------------------------------------------------
 
 
-def table_from_buckets(buckets: Sequence[BucketReport], edges: Buckets) -> Table:
-    """Best arm per bucket -> a canonical table; a bucket without data takes the arm of the
-    nearest bucket with data (the lower one on a tie).
+def table_from_buckets(
+    buckets: Sequence[BucketReport], edges: Buckets, *, min_intervals: int = DEFAULT_MIN_INTERVALS
+) -> tuple[Table, tuple[str, ...]]:
+    """Best arm per bucket -> a canonical table, and notes on what the data did not decide.
+
+    Only arms with at least ``min_intervals`` intervals compete. A bucket without such an arm
+    between measured buckets takes the nearest measured bucket's arm (the lower on a tie);
+    buckets above the largest measured one keep its arm.
 
     Raises:
         ConfigError: no bucket has data.
     """
-    best = [bk.best for bk in buckets]
+    best: list[int | None] = []
+    notes: list[str] = []
+    for bk in buckets:
+        data = [a for a in bk.arms if a.intervals > 0 and a.goodput > 0]
+        ranked = sorted((a for a in data if a.intervals >= min_intervals),
+                        key=lambda a: (a.goodput, -a.arm), reverse=True)
+        if not ranked and data:  # only thin data here: use it, and say so
+            ranked = sorted(data, key=lambda a: (a.goodput, -a.arm), reverse=True)
+            notes.append(f"b {bk.label}: k{ranked[0].arm} chosen from fewer than "
+                         f"{min_intervals} intervals")
+        best.append(ranked[0].arm if ranked else None)
+        if len(ranked) >= 2 and _overlap(ranked[0], ranked[1]):
+            notes.append(f"b {bk.label}: k{ranked[0].arm} over k{ranked[1].arm} by the point "
+                         "estimate only (their 95% intervals overlap)")
+        thin = [a.arm for a in data if a.intervals < min_intervals and a not in ranked]
+        if thin:
+            notes.append(f"b {bk.label}: k{','.join(map(str, thin))} left out (fewer than "
+                         f"{min_intervals} intervals)")
     known = [i for i, k in enumerate(best) if k is not None]
     if not known:
         raise ConfigError("no observations to derive a table from")
+    top = known[-1]
     filled: list[int] = []
+    inside: list[str] = []
     for i, k in enumerate(best):
         if k is None:
-            k = best[min(known, key=lambda j: (abs(j - i), j))]
+            src = top if i > top else min(known, key=lambda j: (abs(j - i), j))
+            k = best[src]
+            if i < top:
+                inside.append(f"{buckets[i].label} (k{k} from {buckets[src].label})")
         filled.append(int(k))  # type: ignore[arg-type]
-    return validate_table(edges.table(filled))
+    if inside:
+        notes.insert(0, "no data at b " + ", ".join(inside) + ": filled from the nearest "
+                     "measured bucket")
+    if top < len(buckets) - 1:
+        low = buckets[top + 1].low
+        notes.insert(0, f"no data from b={low} up: the table stops at the largest measured "
+                     f"bucket ({buckets[top].label}) and runs its k{best[top]} for every larger "
+                     "batch; measure larger batches before trusting it there")
+    return validate_table(edges.table(filled)), tuple(notes)
+
+
+def _overlap(a: Any, b: Any) -> bool:
+    if None in (a.ci_low, a.ci_high, b.ci_low, b.ci_high):
+        return True  # no interval at all: nothing separates them
+    return a.ci_low <= b.ci_high and b.ci_low <= a.ci_high
 
 
 def learned_table(
@@ -164,12 +214,12 @@ def learned_table(
             "from the observations)"
         )
     try:
-        table = table_from_buckets(srv.buckets, buckets)
+        table, notes = table_from_buckets(srv.buckets, buckets)
     except ConfigError as exc:
         raise ConfigError(f"{server}: {exc} in {storage.url}") from None
     return LearnedTable(
         server=server, arms=srv.arms, table=table, source="data", version=None,
-        policy="greedy-by-data", decided_at=None, report=srv, buckets=buckets,
+        policy="greedy-by-data", decided_at=None, report=srv, buckets=buckets, notes=notes,
     )
 
 
@@ -304,10 +354,13 @@ def export(
     """
     if fmt not in EXPORT_FORMATS:
         raise ConfigError(f"--format {fmt!r}: expected one of {', '.join(EXPORT_FORMATS)}")
+    from tuner.outfiles import check_out
+
+    out = check_out(out)
     now = time.time() if now is None else now
     learned = learned_table(storage, server=server, source=source, since=since,
                             buckets=buckets, now=now)
-    warnings: list[str] = []
+    warnings: list[str] = list(learned.notes)
     if fmt == "sglang-adaptive":
         union = sorted({k for _, k in learned.table})
         if union == [0]:
@@ -349,6 +402,7 @@ def _meta(learned: LearnedTable, now: float) -> dict[str, Any]:
         "exported_at": round(now, 3),
         "data_window": None if span is None else [round(span[0], 3), round(span[1], 3)],
         "table_text": format_table(learned.table),
+        "notes": list(learned.notes),
     }
 
 
@@ -382,13 +436,14 @@ def _policy_file(learned: LearnedTable, now: float) -> Any:
                 observations=rep.observations,
             ),
             estimates=tuple(estimates),
+            notes=learned.notes,
         ),
     )
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
     try:
-        write_atomic(path, data)
+        write_atomic(path, data, parents=False)  # tuner.outfiles: folders are never created
     except OSError as exc:
         raise ConfigError(f"{path}: cannot write: {exc.strerror or exc}") from exc
 

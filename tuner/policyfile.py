@@ -154,8 +154,11 @@ class Provenance:
     buckets: tuple[int, ...] = ()
     data_window: DataWindow = field(default_factory=DataWindow)
     estimates: tuple[Estimate, ...] = ()
+    # What the data did not decide: batch sizes without data and how they were filled.
+    notes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "notes", tuple(str(n) for n in self.notes))
         edges = tuple(int(e) for e in self.buckets)
         if edges and (edges[0] < 1 or any(b <= a for a, b in zip(edges, edges[1:]))):
             raise ValueError(f"bucket edges must be positive and strictly increasing: {edges}")
@@ -171,6 +174,7 @@ class Provenance:
             "buckets": list(self.buckets),
             "data_window": self.data_window.to_json(),
             "estimates": [e.to_json() for e in self.estimates],
+            "notes": list(self.notes),
         }
 
     @classmethod
@@ -186,6 +190,9 @@ class Provenance:
         estimates = obj.get("estimates", [])
         if not isinstance(estimates, list):
             raise ValueError(f"provenance.estimates must be a list, got {estimates!r}")
+        notes = obj.get("notes", [])
+        if not isinstance(notes, list) or not all(isinstance(n, str) for n in notes):
+            raise ValueError(f"provenance.notes must be a list of strings, got {notes!r}")
         return cls(
             server=obj.get("server"),
             created_at=_num(obj.get("created_at"), "provenance.created_at", allow_none=True),
@@ -194,6 +201,7 @@ class Provenance:
             buckets=tuple(_int(b, "bucket edge", minimum=1) for b in buckets),
             data_window=DataWindow.from_json(obj.get("data_window", {})),
             estimates=tuple(Estimate.from_json(e) for e in estimates),
+            notes=tuple(notes),
         )
 
 

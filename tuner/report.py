@@ -224,7 +224,10 @@ def parse_since(text: str, *, now: float) -> float:
     """
     m = _DURATION.match(text)
     if m:
-        return now - float(m.group(1)) * _UNIT_S[m.group(2)]
+        back = float(m.group(1)) * _UNIT_S[m.group(2)]
+        if not back <= now:
+            raise ConfigError(f"--since {text!r}: reaches back before 1970")
+        return now - back
     try:
         dt = datetime.fromisoformat(text.strip())
     except ValueError:
@@ -1084,6 +1087,10 @@ def write_report(
     """
     if fmt not in FORMATS:
         raise ConfigError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    if out is not None:
+        from tuner.outfiles import check_out
+
+        out = check_out(out)
     written: list[Path] = []
     pngs: dict[str, dict[str, bytes]] = {}
     if plots and (fmt == "html" or out is not None):
@@ -1119,6 +1126,6 @@ def _with_plots(s: ServerReport, files: dict[str, str]) -> ServerReport:
 
 def _write_bytes(path: Path, data: bytes) -> None:
     try:
-        write_atomic(path, data)
+        write_atomic(path, data, parents=False)  # tuner.outfiles: folders are never created
     except OSError as exc:
         raise ConfigError(f"{path}: cannot write: {exc.strerror or exc}") from exc

@@ -34,6 +34,7 @@ import hashlib
 import json
 import logging
 import math
+import textwrap
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -1512,6 +1513,7 @@ def render_text(result: SweepResult, *, header: str | None = None) -> str:
     lines.append(result.crossover)
     if result.table is not None:
         lines.append(f"learned table: {format_table(result.table)}")
+        lines.extend(f"note: {n}" for n in table_notes(result))
     measured = sum(1 for (_, a) in result.cells if a >= 0)
     lines.append(
         f"measured {measured} of {result.grid_cells} (level, arm) cells in {result.windows} "
@@ -1553,7 +1555,8 @@ def plot_png(result: SweepResult, path: str | Path, *, title: str | None = None)
         ax.set_xticks(list(result.levels), [str(lv) for lv in result.levels])
         ax.set_xlabel("concurrency (requests in flight)")
         ax.set_ylabel("output tokens/s")
-        ax.set_title(title or "dynspec-tuner sweep")
+        # Wrapped: a server address and study name do not fit one line of a 7-inch figure.
+        ax.set_title(textwrap.fill(title or "dynspec-tuner sweep", 70), fontsize=9)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
@@ -1606,11 +1609,31 @@ def write_policy_file(
             buckets=result.levels,
             data_window=policyfile.DataWindow(observations=result.windows),
             estimates=tuple(estimates),
+            notes=table_notes(result),
         ),
     )
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     return policyfile.save(doc, path)
+
+
+def table_notes(result: SweepResult) -> tuple[str, ...]:
+    """What the policy file's table covers without a measurement: levels where no arm was
+    measured (merged into the next measured level's row) and every batch above the largest
+    measured level (the table stops there and keeps that level's arm)."""
+    if result.table is None:
+        return ()
+    measured = sorted({lv for (lv, a) in result.cells if a >= 0})
+    if not measured:
+        return ()
+    notes = []
+    gaps = [lv for lv in result.levels if lv < measured[-1] and lv not in measured]
+    if gaps:
+        notes.append(f"no arm measured at concurrency {', '.join(map(str, gaps))}: those "
+                     "batch sizes run the next measured level's arm")
+    notes.append(f"nothing measured above concurrency {measured[-1]}: the table stops there "
+                 f"and runs k{result.table[-1][1]} for every larger batch")
+    return tuple(notes)
 
 
 # --- one call for the CLI and the benchmark --------------------------------------------------

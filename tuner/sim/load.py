@@ -45,6 +45,8 @@ __all__ = [
 ]
 
 INF = math.inf
+# Requests in flight a closed-loop phase may hold (each is a live object in the engine).
+MAX_CONCURRENCY = 100_000
 
 
 class Load(abc.ABC):
@@ -83,9 +85,10 @@ class ClosedLoop(Load):
         if not phases:
             raise ConfigError("a closed-loop schedule needs at least one phase")
         for d, c in phases:
-            if not (d > 0 and math.isfinite(d)) or c < 0 or int(c) != c:
+            if not (d > 0 and math.isfinite(d)) or not 0 <= c <= MAX_CONCURRENCY or int(c) != c:
                 raise ConfigError(
-                    f"bad phase {d}:{c} (duration > 0 s, concurrency an integer >= 0)"
+                    f"bad phase {d}:{c} (duration > 0 s, concurrency an integer in "
+                    f"0..{MAX_CONCURRENCY})"
                 )
         self.phases = tuple((float(d), int(c)) for d, c in phases)
         self.repeat = repeat
