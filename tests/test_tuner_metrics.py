@@ -117,3 +117,20 @@ def test_daemon_keeps_the_metrics_up_to_date(tmp_path) -> None:
     assert got[("dynspec_plugin_loaded", (("server", server),))] == 1
     assert any(name == "dynspec_chosen_arm" for name, _ in got)
     assert any(name == "dynspec_goodput_estimate_tokens_per_second" for name, _ in got)
+
+
+def test_gain_over_start_k0_and_always_is_exposed_with_its_interval() -> None:
+    m = TunerMetrics()
+    m.set_snapshot("a:1", _snapshot((3, 3, 0)))
+    m.set_tables("a:1", start=((None, 3),), current=((4, 3), (None, 0)))
+    with m.serve(port=0) as srv:
+        samples = _samples(httpx.get(srv.url).text)
+    labels = (("baseline", "k0"), ("server", "a:1"))
+    # Bucket 0 (1-4): k3 250 vs k0 120 over 500 steps; bucket 2 runs k0 either way.
+    ratio = samples[("dynspec_gain_ratio", labels)]
+    assert ratio > 0
+    assert samples[("dynspec_gain_ratio_lower", labels)] < ratio
+    assert samples[("dynspec_gain_ratio_upper", labels)] > ratio
+    assert samples[("dynspec_gain_measured_share", labels)] == 1.0
+    start = (("baseline", "start"), ("server", "a:1"))
+    assert ("dynspec_gain_ratio", start) in samples

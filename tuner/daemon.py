@@ -179,6 +179,7 @@ class _Server:
     desired: Table | None = None  # what we want the server to run (re-pushed after restarts)
     needs_push: bool = False
     repush: bool = False  # needs_push because the server restarted (the reason recorded)
+    start_table: Table | None = None  # what the server ran before any push (gain baseline)
     last_decision: float | None = None
     dry_last: Table | None = None
     started_at: float | None = None
@@ -653,6 +654,7 @@ class Daemon:
             # baseline; only versions above it and above ours are someone else's.
             srv.baseline_version, srv.sent_version = server_version, 0
             if srv.server_table is not None:  # the baseline of report's gain figures
+                srv.start_table = srv.server_table
                 self._event(srv.address, now, "initial_table",
                             f"v{server_version} {format_table(srv.server_table)}")
         elif server_version > max(srv.baseline_version, srv.sent_version):
@@ -1194,6 +1196,8 @@ class Daemon:
             snap = srv.policy.snapshot() if srv.policy is not None and not busy else None
             if snap is not None and self.metrics is not None:
                 self.metrics.set_snapshot(srv.address, snap)
+                self.metrics.set_tables(srv.address, start=srv.start_table,
+                                        current=srv.server_table)
             servers.append(
                 ServerStatus(
                     address=srv.address,

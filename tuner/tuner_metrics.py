@@ -24,6 +24,15 @@ name                                            type    labels
 ``dynspec_restarts_total``                      counter server
 ``dynspec_observations_total``                  counter server — observations recorded
 ``dynspec_last_tick_age_seconds``               gauge   — since the loop last completed a tick
+``dynspec_gain_ratio``                          gauge   server, baseline — see below
+``dynspec_gain_ratio_lower`` / ``_upper``       gauge   server, baseline — its 95 % interval
+``dynspec_gain_measured_share``                 gauge   server, baseline
+=============================================== ======= =======================================
+
+The gain (:mod:`tuner.gain`) is the table the server runs against ``baseline`` = ``start``
+(the table it started on), ``k0`` and ``always`` (the always-speculate arm), from the
+policy's estimates, each bucket weighted by its decode steps; ``measured_share`` is the
+weight where the policy has seen both arms in that bucket (the rest is its model's).
 =============================================== ======= =======================================
 
 The same port answers ``GET /healthz``: 200 with a small JSON body while the loop ticks, 503
@@ -34,6 +43,7 @@ Kubernetes probes and load balancers.
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -68,6 +78,8 @@ _COUNTERS = {
 @dataclass
 class _ServerState:
     snapshot: PolicySnapshot | None = None
+    start: tuple | None = None  # the table the server started on
+    current: tuple | None = None  # the table it runs
     version: int | None = None
     up: bool | None = None
     plugin: bool | None = None
@@ -137,6 +149,12 @@ class TunerMetrics:
         if n < 0:
             raise ValueError(f"observation count must be >= 0, got {n}")
         self._count(server, "observations", n)
+
+    def set_tables(self, server: str, *, start: tuple | None, current: tuple | None) -> None:
+        """The tables behind the gain figures: the server's starting one and the one it runs."""
+        with self._lock:
+            st = self._state(server)
+            st.start, st.current = start, current
 
     def record_tick(self, *, history_ok: bool = True) -> None:
         """The loop finished a tick (feeds ``/healthz``)."""
@@ -240,6 +258,7 @@ class TunerMetrics:
                 family.add_metric([name], s.counts[key])
         yield from (chosen, goodput, std, steps, version, up, plugin)
         yield from counters.values()
+        yield from _gain_families(servers)
         with self._lock:
             last, extra = self._last_tick, list(self._extra)
         if last is not None:
@@ -268,7 +287,44 @@ class TunerMetrics:
 
 
 def _copy(s: _ServerState) -> _ServerState:
-    return _ServerState(s.snapshot, s.version, s.up, s.plugin, dict(s.counts))
+    return _ServerState(s.snapshot, s.start, s.current, s.version, s.up, s.plugin,
+                        dict(s.counts))
+
+
+def _gain_families(servers: dict[str, _ServerState]) -> Iterator[Metric]:
+    from tuner.gain import ArmValue, BucketValues, estimate_gain
+    from tuner.report import always_arm
+
+    names = {"": "Estimated goodput gain of the table in effect over a baseline table.",
+             "_lower": "Lower end of the gain's 95% interval.",
+             "_upper": "Upper end of the gain's 95% interval.",
+             "_measured_share": "Share of the weight where both arms were observed."}
+    fams = {k: GaugeMetricFamily(("dynspec_gain_measured_share" if k == "_measured_share"
+                                  else f"dynspec_gain_ratio{k}"), doc,
+                                 labels=["server", "baseline"]) for k, doc in names.items()}
+    for name in sorted(servers):
+        s = servers[name]
+        snap = s.snapshot
+        if snap is None or s.current is None:
+            continue
+        buckets = []
+        for i in range(len(snap.buckets)):
+            low, high = snap.buckets.bounds(i)
+            arms = {e.arm: ArmValue(e.estimate, e.std, e.n > 0) for e in snap.estimates
+                    if e.bucket == i and math.isfinite(e.estimate) and math.isfinite(e.std)}
+            weight = sum(e.n for e in snap.estimates if e.bucket == i)
+            buckets.append(BucketValues(weight, high if high is not None else low, arms))
+        bases = {"start": s.start, "k0": ((None, 0),) if 0 in snap.arms else None}
+        always = always_arm(snap.arms)
+        bases["always"] = ((None, always),) if always is not None else None
+        for baseline, base in bases.items():
+            g = estimate_gain(baseline, buckets, s.current, base) if base else None
+            if g is None:
+                continue
+            for k, v in (("", g.ratio), ("_lower", g.low), ("_upper", g.high),
+                         ("_measured_share", g.measured_share)):
+                fams[k].add_metric([name, baseline], v)
+    yield from fams.values()
 
 
 class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
