@@ -197,6 +197,7 @@ class ServerReport:
     metrics_only: bool = False  # watched without the plugin (coarse /metrics observations)
     model: str | None = None  # what the server last said it runs
     plots: dict[str, str] = field(default_factory=dict)  # name -> file, when written beside
+    gains: tuple = ()  # tuner.report_gain.ReportGain per baseline (start, k0, always)
 
 
 @dataclass(frozen=True)
@@ -567,6 +568,10 @@ def build_report(
             ),
             model=rec.model,
         ))
+        from tuner.report_gain import server_gains  # "does it pay?": its own module
+
+        reports[-1] = replace(reports[-1], gains=server_gains(
+            storage, reports[-1], buckets, since=since, until=until))
     return Report(
         generated_at=time.time() if now is None else now,
         database=storage.url,
@@ -653,6 +658,9 @@ def _server_text(s: ServerReport, width: int) -> list[str]:
         f"pushes {c['pushes']}   rejected updates {c['rejected_updates']}   "
         f"outages {c['outages']}   restarts {c['restarts']}"
     )
+    from tuner.report_gain import gain_lines
+
+    out.extend(_clip(line, width) for line in gain_lines(s.gains))
     vs_always = f"vs k{s.always_arm}" if s.always_arm is not None else "vs always"
     out.append("")
     out.append(
@@ -770,6 +778,7 @@ def _server_json(s: ServerReport) -> dict[str, Any]:
         "metrics_only": s.metrics_only,
         "crossover_b": s.crossover_b,
         "counts": dict(s.counts),
+        "gains": _gains_json(s),
         "buckets": [
             {
                 "bucket": bk.index,
@@ -817,6 +826,12 @@ def _server_json(s: ServerReport) -> dict[str, Any]:
         "events": [{"ts": _f(e.ts, 3), "kind": e.kind, "detail": e.detail} for e in s.events],
         "plots": dict(s.plots),
     }
+
+
+def _gains_json(s: ServerReport) -> list[dict[str, Any]]:
+    from tuner.report_gain import gains_json
+
+    return gains_json(s.gains)
 
 
 def render_json(report: Report) -> str:
@@ -1001,6 +1016,9 @@ def render_html(report: Report, plots: dict[str, dict[str, bytes]] | None = None
             f"<p>pushes {c['pushes']} &middot; rejected updates {c['rejected_updates']} "
             f"&middot; outages {c['outages']} &middot; restarts {c['restarts']}</p>"
         )
+        from tuner.report_gain import gain_lines
+
+        parts.extend(f"<p>{html.escape(line)}</p>" for line in gain_lines(s.gains))
         for name in PLOT_NAMES:
             data = plots.get(s.server, {}).get(name)
             if data is not None:

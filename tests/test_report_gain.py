@@ -1,0 +1,54 @@
+"""report's "does it pay?": gains of the table in effect over the starting table, k=0 and
+always-speculate, with intervals, in text and JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_report import SERVER, T0, simulate_history
+
+from storage import EventRecord, Storage
+from tuner.report import build_report, render_json, render_text
+from tuner.report_gain import parse_table_text
+
+
+@pytest.fixture(scope="module")
+def history(tmp_path_factory) -> str:
+    url = f"sqlite:///{tmp_path_factory.mktemp('gain') / 'h.db'}"
+    simulate_history(url, seconds=60)
+    return url
+
+
+def test_parse_table_text_round_trips_format_table():
+    assert parse_table_text("b<=8:k5 b<=64:k3 rest:k1") == ((8, 5), (64, 3), (None, 1))
+    assert parse_table_text("rest:k3") == ((None, 3),)
+    assert parse_table_text("b<=8:k5") is None and parse_table_text("nonsense") is None
+
+
+def test_report_gives_each_baseline_with_an_interval_and_its_source(history):
+    with Storage(history, read_only=True) as st:
+        (s,) = build_report(st).servers
+    names = [rg.gain.baseline for rg in s.gains]
+    assert names == ["start", "k0", "always"]
+    start = s.gains[0]
+    assert start.assumed  # no initial_table event in this history: SGLang's step assumed
+    for rg in s.gains:
+        g = rg.gain
+        assert g.low <= g.ratio <= g.high and 0 <= g.measured_share <= 1
+    (srv_json,) = json.loads(render_json(build_report(Storage(history, read_only=True))))["servers"]
+    assert [g["baseline"] for g in srv_json["gains"]] == names
+    assert srv_json["gains"][0]["ci95"][0] <= srv_json["gains"][0]["ratio"]
+
+
+def test_the_recorded_starting_table_is_the_baseline(tmp_path):
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    simulate_history(url, seconds=30)
+    with Storage(url) as st:
+        st.record_tick(events=[EventRecord(SERVER, T0, "initial_table", "v0 b<=8:k1 rest:k0")])
+        report = build_report(st)
+    start = report.servers[0].gains[0]
+    assert not start.assumed and start.base_table == ((8, 1), (None, 0))
+    text = render_text(report)
+    assert "gain over the server's starting table (b<=8:k1 rest:k0):" in text
+    assert "gain over k=0 (no speculation):" in text

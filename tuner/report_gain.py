@@ -1,0 +1,160 @@
+"""``report``'s "does it pay?": the gain of the table in effect over the server's starting
+table, k = 0 and always-speculate, with 95 % intervals (:mod:`tuner.gain`).
+
+Weights: each bucket's share of the server's busy time in the window (how long the load kept
+it there). Goodputs: the report's own ratio estimates where the arm was measured in that
+bucket with an interval (two or more intervals), else the model policy's estimate fed with
+the window's per-(b, k) sums (``model``: shares strength across batch sizes and arms through
+acceptance and a smooth step time). The starting table is the one the daemon read before its
+first push (``initial_table`` events); without one, SGLang's startup step is assumed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from policies import Buckets, Observation, make_policy
+from tuner.gain import Z95, ArmValue, BucketValues, Gain, estimate_gain
+from tuner.report import ServerReport, always_arm
+
+if TYPE_CHECKING:
+    from storage import Storage
+
+__all__ = ["BASELINE_LABELS", "ReportGain", "parse_table_text", "server_gains"]
+
+log = logging.getLogger(__name__)
+
+BASELINE_LABELS = {"start": "the server's starting table", "k0": "k=0 (no speculation)",
+                   "always": "always-speculate"}
+_ROW = re.compile(r"^(?:b<=(\d+)|rest):k(\d+)$")
+
+
+@dataclass(frozen=True, slots=True)
+class ReportGain:
+    gain: Gain
+    base_table: tuple[tuple[int | None, int], ...]
+    assumed: bool  # the starting table was not recorded: SGLang's startup step assumed
+
+
+def parse_table_text(text: str) -> tuple[tuple[int | None, int], ...] | None:
+    """``b<=8:k5 rest:k1`` (protocol.format_table) back to a table; None if it is not one."""
+    rows: list[tuple[int | None, int]] = []
+    for tok in text.split():
+        m = _ROW.match(tok)
+        if m is None:
+            return None
+        rows.append((int(m.group(1)) if m.group(1) else None, int(m.group(2))))
+    return tuple(rows) if rows and rows[-1][0] is None else None
+
+
+def _start_table(storage: Storage, server: str, until: float | None):
+    events = [e for e in storage.events(server=server, kinds=["initial_table"])
+              if until is None or e.ts < until]
+    for e in reversed(events):
+        table = parse_table_text(e.detail.partition(" ")[2])
+        if table is not None:
+            return table
+    return None
+
+
+def _model_values(storage: Storage, s: ServerReport, buckets: Buckets, since, until):
+    """The model policy's estimate per (bucket, arm) from the window's sums."""
+    try:
+        policy = make_policy("model", arms=s.arms, buckets=buckets)
+    except ValueError as exc:
+        log.debug("%s: no model for the gain: %s", s.server, exc)
+        return {}
+    for a in storage.aggregate(server=s.server, since=since, until=until):
+        if a.k in s.arms:
+            policy.update(Observation(a.b, a.k, a.decode_steps, a.emitted_tokens,
+                                      a.accepted_drafts, a.drafted_tokens, a.busy_s))
+    return {(e.bucket, e.arm): ArmValue(e.estimate, e.std, False)
+            for e in policy.snapshot().estimates
+            if math.isfinite(e.estimate) and math.isfinite(e.std) and e.estimate > 0}
+
+
+def server_gains(
+    storage: Storage,
+    s: ServerReport,
+    buckets: Buckets,
+    *,
+    since: float | None = None,
+    until: float | None = None,
+) -> tuple[ReportGain, ...]:
+    """The gains for one server of a report (empty without data or a decided table)."""
+    if not s.arms or not any(bk.arms for bk in s.buckets):
+        return ()
+    chosen = [bk.chosen for bk in s.buckets]
+    if s.table is not None:
+        table: Sequence[tuple[int | None, int]] = s.table.table
+    elif all(k is not None for k in chosen):
+        table = buckets.table(chosen)  # type: ignore[arg-type]
+    else:
+        return ()
+    model = _model_values(storage, s, buckets, since, until)
+    values = []
+    for bk in s.buckets:
+        arms = {}
+        for a in bk.arms:
+            if a.ci_low is not None and a.ci_high is not None and math.isfinite(a.goodput):
+                arms[a.arm] = ArmValue(a.goodput, (a.ci_high - a.ci_low) / (2 * Z95), True)
+        for (i, k), v in model.items():
+            if i == bk.index and k not in arms:
+                arms[k] = v
+        values.append(BucketValues(sum(a.busy_s for a in bk.arms),
+                                   bk.high if bk.high is not None else bk.low, arms))
+    start = _start_table(storage, s.server, until)
+    assumed = start is None
+    if start is None:  # SGLang starts on the middle candidate step, union[len // 2]
+        ordered = sorted(s.arms)
+        start = ((None, ordered[len(ordered) // 2]),)
+    bases = {"start": start}
+    if 0 in s.arms:
+        bases["k0"] = ((None, 0),)
+    always = s.always_arm if s.always_arm is not None else always_arm(s.arms)
+    if always is not None:
+        bases["always"] = ((None, always),)
+    out = []
+    for name, base in bases.items():
+        g = estimate_gain(name, values, table, base)
+        if g is not None:
+            out.append(ReportGain(g, tuple(base), assumed and name == "start"))
+    return tuple(out)
+
+
+def _fmt_table(table) -> str:  # noqa: ANN001
+    return " ".join(f"b<={b}:k{k}" if b is not None else f"rest:k{k}" for b, k in table)
+
+
+def gain_lines(gains: Sequence[ReportGain]) -> list[str]:
+    """One line per baseline for the text and HTML reports."""
+    out = []
+    for rg in gains:
+        g = rg.gain
+        what = BASELINE_LABELS[g.baseline]
+        if g.baseline == "start":
+            what += f" ({_fmt_table(rg.base_table)}{', assumed' if rg.assumed else ''})"
+        elif g.baseline == "always":
+            what += f" (k{rg.base_table[0][1]})"
+        cover = "" if g.covered_share >= 0.999 else f", {g.covered_share:.0%} of the time covered"
+        src = {"measured": "measured", "model": "modelled"}.get(
+            g.source, f"{int(g.measured_share * 100)}% measured, rest modelled")
+        out.append(f"gain over {what}: {g.ratio:+.1%} [{g.low:+.1%}, {g.high:+.1%}] "
+                   f"({src}{cover})")
+    return out
+
+
+def gains_json(gains: Sequence[ReportGain]) -> list[dict]:
+    def f(x: float) -> float | None:
+        return round(x, 5) if math.isfinite(x) else None
+
+    return [{"baseline": rg.gain.baseline, "baseline_table": [list(r) for r in rg.base_table],
+             "assumed": rg.assumed, "ratio": f(rg.gain.ratio),
+             "ci95": [f(rg.gain.low), f(rg.gain.high)], "source": rg.gain.source,
+             "measured_share": f(rg.gain.measured_share),
+             "covered_share": f(rg.gain.covered_share)} for rg in gains]
