@@ -312,7 +312,8 @@ def test_database_outage_keeps_learning_and_loses_nothing(tmp_path, caplog):
     other.close()
     assert tick(d, clock).stored
     assert [o.decode_steps for o in d.storage.observations(server=A)] == [10, 11, 12, 13, 14]
-    assert [e.kind for e in d.storage.events()][-1] == "storage_recovered"
+    kinds = [e.kind for e in d.storage.events(kinds=["storage_outage", "storage_recovered"])]
+    assert kinds == ["storage_outage", "storage_recovered"]  # the outage is on record too
 
 
 def test_stop_pushes_greedy_flushes_and_returns_0(tmp_path):
@@ -425,3 +426,66 @@ def test_partial_rejection_repushes_to_all_replicas(tmp_path):
     assert [c.table for c in srv.cores] == [((None, 1),), ((None, 1),)]
     assert srv.cores[1].version == 2
     assert "update_rejected" in [e.kind for e in d.storage.events(server=A)]
+
+
+# --- stops that cannot leave the greedy table, restarts, said truthfully ---------------------
+
+
+def _exploring(tmp_path, clock):
+    """A daemon whose server runs an exploration table (rest:k3) while greedy is rest:k0."""
+    srv = FakeServer()
+    d = make_daemon({A: srv}, tmp_path, clock=clock)
+    d.run_once()
+    d.policy_of(A).next = ((None, 3),)
+    tick(d, clock, 5)
+    assert srv.cores[0].table == ((None, 3),)
+    return srv, d
+
+
+@pytest.mark.parametrize("trouble", ["hangs", "down"])
+def test_a_stop_that_cannot_leave_the_greedy_table_says_so_records_it_and_exits_1(
+        tmp_path, caplog, trouble):
+    clock = FakeClock()
+    srv, d = _exploring(tmp_path, clock)
+    if trouble == "down":
+        srv.down = True
+        tick(d, clock)  # the outage is seen before the stop
+    else:
+        def hang():
+            raise httpx.ReadTimeout("timed out")
+        srv.on_post = hang
+    d.request_stop()
+    with caplog.at_level(logging.ERROR, logger="tuner.daemon"):
+        assert d.run() == 1
+    assert srv.cores[0].table == ((None, 3),)  # still exploring: that is what is reported
+    assert A in d.unclean and "rest:k3" in d.unclean[A]
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any("could not leave the greedy table rest:k0" in m for m in errors)
+    events = d.storage.events(server=A, kinds=["stop_unclean"])
+    assert len(events) == 1 and "exploration" in events[0].detail
+
+
+def test_a_clean_stop_returns_0_and_records_no_unclean_stop(tmp_path):
+    clock = FakeClock()
+    srv, d = _exploring(tmp_path, clock)
+    d.request_stop()
+    assert d.run() == 0
+    assert srv.cores[0].table == ((None, 0),) and d.unclean == {}
+    assert d.storage.events(kinds=["stop_unclean"]) == []
+
+
+def test_restart_onto_the_current_table_pushes_nothing_and_says_so(tmp_path, caplog):
+    srv, clock = FakeServer(), FakeClock()
+    d = make_daemon({A: srv}, tmp_path, clock=clock)
+    d.run_once()
+    d.policy_of(A).next = ((None, 3),)  # the server's own default: nothing to push
+    tick(d, clock, 5)
+    pushes = len(srv.posts)
+    srv.restart(started_at=2_000.0)
+    with caplog.at_level(logging.INFO, logger="tuner.daemon"):
+        tick(d, clock)
+    assert len(srv.posts) == pushes
+    assert "re-pushing" not in caplog.text
+    assert "already runs rest:k3; nothing to re-push" in caplog.text
+    st = d.status().servers[0]
+    assert st.server_version == 0  # what the restarted server reports, not an old version

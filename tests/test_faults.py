@@ -38,7 +38,7 @@ from tuner.sim.faults import Fault
 from tuner.sim.server import SimServer
 
 NEVER = ((None, 0),)  # the "never" policy's table
-DEFAULT = ((None, 5),)  # what a fresh simulated server runs (its largest arm)
+DEFAULT = ((None, 3),)  # what a fresh simulated server runs (SGLang's startup step)
 
 
 class FakeClock:
@@ -297,7 +297,7 @@ def test_4_malformed_prometheus_text_in_metrics_only_mode(tmp_path, caplog):
 
 
 def test_4_a_policy_that_cannot_use_the_arms_says_so_once_and_records(tmp_path, caplog):
-    """Metrics-only mode knows only the arm the server runs (5); "never" needs arm 0."""
+    """Metrics-only mode knows only the arm the server runs (3); "never" needs arm 0."""
     clock = FakeClock()
     with Sim() as sim:
         sim.faults.add("stock:/server_info")
@@ -308,7 +308,7 @@ def test_4_a_policy_that_cannot_use_the_arms_says_so_once_and_records(tmp_path, 
         st = d.status().servers[0]
         assert st.up and st.errors == 0 and st.snapshot is None
         (msg,) = messages(caplog, "cannot work with arms")
-        assert "policy never" in msg and "[5]" in msg
+        assert "policy never" in msg and "[3]" in msg
         d.shutdown()
         assert d.storage.count_observations(server=sim.addr) > 0  # the history still fills
 

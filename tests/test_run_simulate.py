@@ -39,3 +39,21 @@ def test_run_simulate_records_history_and_leaves_the_applied_table(tmp_path):
         # Observations span the simulated run, not the wall time it took.
         assert obs[-1].ts - obs[0].ts > 15
     assert not (tmp_path / "dynspec.db").exists()  # nothing written beside it
+
+
+def test_a_second_simulated_run_warm_starts_from_the_first(tmp_path, caplog):
+    import logging
+
+    from tuner.config import SimulateConfig, TunerConfig
+    from tuner.simulate import run_simulation
+
+    db = f"sqlite:///{tmp_path / 'sim.db'}"
+    sim = SimulateConfig(load="10:4", speed=5000, duration_s=10, port=0)
+    first = run_simulation(TunerConfig(db_url=db), sim)
+    # The same address again (a fixed port is what makes this work run after run).
+    sim2 = SimulateConfig(load="10:4", speed=5000, duration_s=10,
+                          port=int(first.server.rsplit(":", 1)[1]))
+    with caplog.at_level(logging.INFO, logger="tuner.daemon"):
+        second = run_simulation(TunerConfig(db_url=db), sim2)
+    assert second.server == first.server
+    assert any("warm start from" in r.getMessage() for r in caplog.records)

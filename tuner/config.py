@@ -31,6 +31,7 @@ __all__ = [
     "DEFAULT_SIM_DURATION_S",
     "DEFAULT_SIM_LOAD",
     "DEFAULT_SIM_MAX_RUNNING",
+    "DEFAULT_SIM_PORT",
     "DEFAULT_SIM_PROFILE",
     "DEFAULT_SIM_SPEED",
     "DEFAULT_SIM_WORKLOAD",
@@ -85,6 +86,9 @@ DEFAULT_SIM_DURATION_S = 1200.0  # simulated seconds
 DEFAULT_SIM_MAX_RUNNING = 256
 # A simulated run keeps its own history, apart from real servers'.
 DEFAULT_SIM_DB_URL = "sqlite:///dynspec-sim.db"
+# One loopback port for every `run --simulate`, so the simulated server keeps its address and
+# a second run warm-starts from the first one's history (a busy port falls back to a free one).
+DEFAULT_SIM_PORT = 30999
 
 # `sweep` (here so that building the CLI's help does not import Optuna).
 DEFAULT_SWEEP_LEVELS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -409,6 +413,7 @@ class SimulateConfig:
         duration_s: simulated seconds to run the tuner for.
         max_running: the simulated server's running-request cap.
         seed: seeds the simulator.
+        port: the loopback port to serve on (0 = any free one).
     """
 
     profile: str = DEFAULT_SIM_PROFILE
@@ -418,6 +423,7 @@ class SimulateConfig:
     duration_s: float = DEFAULT_SIM_DURATION_S
     max_running: int = DEFAULT_SIM_MAX_RUNNING
     seed: int = 0
+    port: int = DEFAULT_SIM_PORT
 
     def __post_init__(self) -> None:
         if not self.profile:
@@ -431,3 +437,5 @@ class SimulateConfig:
         _positive("duration", self.duration_s)
         if self.max_running < 1:
             raise ConfigError(f"max running must be >= 1, got {self.max_running}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"simulator port must be in 0..65535, got {self.port}")

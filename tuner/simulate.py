@@ -204,23 +204,26 @@ def run_simulation(
         # The simulator's clock is ``pace``: virtual time moves only when the daemon waits,
         # so every reading sees exactly one interval of simulated traffic however long the
         # daemon's own work takes; ``sim.speed`` caps how fast that runs in wall time.
-        server = SimServer(
-            profile=sim.profile,
-            workload=sim.workload,
-            load=sim.load,
-            max_running=sim.max_running,
-            seed=sim.seed,
-            speed=1.0,
-            clock=pace,
-            port=0,
-        )
+        def make(port: int) -> SimServer:
+            return SimServer(profile=sim.profile, workload=sim.workload, load=sim.load,
+                             max_running=sim.max_running, seed=sim.seed, speed=1.0,
+                             clock=pace, port=port)
+
+        server = make(sim.port)
     except ValueError as exc:  # e.g. a profile that cannot cost the running-request cap
         raise ConfigError(f"simulator: {exc}") from exc
     start_table = server.core.table  # before the daemon's first push
     storage = Storage(config.db_url)
     wall0 = time.monotonic()
     try:
-        server.start()
+        try:
+            server.start()
+        except OSError as exc:  # the fixed port is taken (another run?): any free one
+            log.warning("simulator: port %d is busy (%s); on a free port instead, so this "
+                        "run starts without the history of earlier runs", sim.port,
+                        exc.strerror or exc)
+            server = make(0)
+            server.start()
         address = f"127.0.0.1:{server.port}"
         cfg = config.with_(servers=(address,), duration_s=sim.duration_s)
         engine_t0 = server.engine.now
