@@ -252,3 +252,13 @@ def test_sampled_verify_acceptance_rate_is_one_over_v_t():
 def test_verify_uses_greedy_only_when_all_requests_are_greedy():
     assert sampled_verify.verify_uses_greedy(is_all_greedy=True, is_cpu=True) is True
     assert sampled_verify.verify_uses_greedy(is_all_greedy=False, is_cpu=True) is False
+
+
+def test_top_k_and_top_p_renormalisation_keep_the_likeliest_tokens():
+    probs = torch.tensor([[0.1, 0.4, 0.2, 0.3], [0.25, 0.25, 0.25, 0.25]])
+    top_k = sampled_verify.top_k_renorm_prob(probs, torch.tensor([2, 1]))
+    assert torch.allclose(top_k[0], torch.tensor([0.0, 4 / 7, 0.0, 3 / 7]))
+    assert torch.allclose(top_k[1], torch.full((4,), 0.25))  # every tie at the pivot kept
+    top_p = sampled_verify.top_p_renorm_prob(probs[:1], 0.65)
+    # Ascending 0.1, 0.2 | 0.3, 0.4: the first two hold 0.3 < 1 - 0.65, so they go.
+    assert torch.allclose(top_p[0], torch.tensor([0.0, 4 / 7, 0.0, 3 / 7]))

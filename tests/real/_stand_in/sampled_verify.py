@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["tree_speculative_sampling_target_only", "verify_uses_greedy"]
+__all__ = [
+    "top_k_renorm_prob",
+    "top_p_renorm_prob",
+    "tree_speculative_sampling_target_only",
+    "verify_uses_greedy",
+]
 
 
 def verify_uses_greedy(*, is_all_greedy: bool, **_platform: bool) -> bool:
@@ -92,3 +97,44 @@ def tree_speculative_sampling_target_only(
             nonzero = torch.nonzero(q > 0)
             hit = int(nonzero[-1]) if nonzero.numel() else vocab - 1
         predicts[last] = hit
+
+
+def _per_row(value, rows: int, dtype) -> torch.Tensor:
+    t = value.reshape(-1).to(dtype) if isinstance(value, torch.Tensor) else torch.tensor([value])
+    return t.to(dtype).expand(rows) if t.numel() == 1 else t
+
+
+def _renorm_from_pivots(probs: torch.Tensor, pivots: torch.Tensor) -> torch.Tensor:
+    kept = torch.where(probs >= pivots.unsqueeze(1), probs, torch.zeros_like(probs))
+    return kept / kept.sum(dim=1, keepdim=True)
+
+
+def top_k_renorm_prob(probs: torch.Tensor, top_k) -> torch.Tensor:
+    """Keep each row's k highest probabilities (and every tie at the k-th), renormalised.
+
+    Upstream: ``top_k_renorm_probs_triton`` in ``sglang/kernels/ops/sampling/renorm_triton.py``
+    (FlashInfer's ``top_k_renorm_probs`` semantics, what SGLang calls on CUDA).
+    """
+    probs = probs.float()
+    rows, vocab = probs.shape
+    top_ks = _per_row(top_k, rows, torch.int64)
+    ordered = torch.sort(probs, dim=-1, descending=True).values
+    cutoff = (top_ks - 1).clamp(min=0, max=vocab - 1)
+    return _renorm_from_pivots(probs, ordered.gather(1, cutoff.unsqueeze(1)).squeeze(1))
+
+
+def top_p_renorm_prob(probs: torch.Tensor, top_p) -> torch.Tensor:
+    """Drop each row's least likely tokens whose total mass stays below 1 - p (ties at the
+    pivot kept), renormalised.
+
+    Upstream: ``top_p_renorm_probs_triton`` in ``sglang/kernels/ops/sampling/renorm_triton.py``
+    (FlashInfer's ``top_p_renorm_probs`` semantics).
+    """
+    probs = probs.float()
+    rows, vocab = probs.shape
+    top_ps = _per_row(top_p, rows, torch.float32)
+    ordered = torch.sort(probs, dim=-1).values
+    cdf = torch.cumsum(ordered, dim=-1)
+    cutoff = torch.searchsorted(cdf, (1.0 - top_ps).unsqueeze(1), right=False).squeeze(1)
+    cutoff = cutoff.clamp(max=vocab - 1)
+    return _renorm_from_pivots(probs, ordered.gather(1, cutoff.unsqueeze(1)).squeeze(1))

@@ -3,7 +3,7 @@
 The tier puts this folder on the server's PYTHONPATH only, so Python runs this in every
 process SGLang starts (they are spawned). It registers a post-import patch: when SGLang's
 ``speculative.eagle_utils`` is first imported, its verify takes the sampled path for sampled
-requests as on CUDA, with the pure-torch kernel port in ``sampled_verify``. No SGLang file
+requests as on CUDA, with the pure-torch kernel ports in ``sampled_verify``. No SGLang file
 changes; torch and SGLang are not imported here.
 """
 
@@ -22,6 +22,8 @@ def _patch_eagle_utils(module) -> None:
     module.tree_speculative_sampling_target_only = (
         sampled_verify.tree_speculative_sampling_target_only
     )
+    module.top_k_renorm_prob = sampled_verify.top_k_renorm_prob
+    module.top_p_renorm_prob = sampled_verify.top_p_renorm_prob
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder):
