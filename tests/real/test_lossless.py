@@ -105,11 +105,13 @@ def _models(spec: ServerSpec):
 
 
 @contextmanager
-def started(workdir, variant: Variant) -> Iterator[LosslessServer]:
+def started(workdir, variant: Variant, **extra_env: str) -> Iterator[LosslessServer]:
     need_server_env()
     plugins = "dynspec" if variant.algorithm else "no-plugin-at-all"
+    name = variant.name + ("-broken" if extra_env else "")
     server = LosslessServer(
-        ServerSpec(workdir=workdir / variant.name, plugins=plugins, alpha=None), variant
+        ServerSpec(workdir=workdir / name, plugins=plugins, alpha=None, extra_env=extra_env),
+        variant,
     )
     try:
         yield server.start()
@@ -210,3 +212,15 @@ def test_tokens_are_identical_off_on_and_switching(workdir, reference, variant):
             # extend at steps = 0 kept the draft in sync, or acceptance would collapse there.
             assert rate(on, variant.steps) > 0.25
             assert rate(switching, variant.steps) > 0.25
+
+
+def test_a_wrong_tree_mask_changes_tokens(workdir, reference):
+    """The check above has power: with the stand-in ignoring SGLang's tree mask (draft tokens
+    see their siblings), the copy-of-target tree gives different tokens."""
+    tree = next(v for v in VARIANTS if v.name == "standalone-tree")
+    with started(workdir, tree, DYNSPEC_BREAK_TREE_MASK="1") as server:
+        version = readout(server.url)["policy_version"] + 1
+        assert push(server.url, ((None, tree.steps),), version) == (200, [True])
+        bad = differing(greedy(server.url), reference)
+    print(f"\nwrong tree mask: {len(bad)}/{N_PROMPTS} requests differ")
+    assert bad

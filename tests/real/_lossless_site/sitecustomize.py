@@ -3,7 +3,10 @@
 Runs the tier's own ``_stand_in/sitecustomize.py`` (Python imports one ``sitecustomize``), then
 widens SGLang's dummy weights in memory to +-``DYNSPEC_DUMMY_RANGE`` with SGLang's own seed:
 at its default +-1e-3 the tiny model ignores attention, so a wrong tree mask would still give
-identical tokens and a losslessness test would have no power. No SGLang file changes.
+identical tokens and a losslessness test would have no power. With
+``DYNSPEC_BREAK_TREE_MASK=1`` the stand-in's extend attention ignores SGLang's tree mask (causal
+among the draft tokens instead), the fault the losslessness test must catch. No SGLang file
+changes.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ _mod = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_mod)
 
 _LOADER = "sglang.srt.model_loader.loader"
+_ATTENTION = "sgl_kernel.attention"
 
 
 def _widen(module) -> None:
@@ -31,9 +35,21 @@ def _widen(module) -> None:
     module.initialize_dummy_weights = initialize_dummy_weights
 
 
-class _PatchLoader(importlib.abc.MetaPathFinder):
+def _break_mask(module) -> None:
+    original = module.extend_visibility
+
+    def extend_visibility(prefix_len, extend_len, *, is_causal=True, mask_rows=None):
+        return original(prefix_len, extend_len, is_causal=is_causal, mask_rows=None)
+
+    module.extend_visibility = extend_visibility
+
+
+class _PatchAfterImport(importlib.abc.MetaPathFinder):
+    def __init__(self, name: str, patch) -> None:
+        self.name, self.patch = name, patch
+
     def find_spec(self, name, path=None, target=None):
-        if name != _LOADER:
+        if name != self.name:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
@@ -43,11 +59,13 @@ class _PatchLoader(importlib.abc.MetaPathFinder):
 
         def exec_and_patch(module):
             exec_module(module)
-            _widen(module)
+            self.patch(module)
 
         spec.loader.exec_module = exec_and_patch
         return spec
 
 
 if os.environ.get("DYNSPEC_DUMMY_RANGE"):
-    sys.meta_path.insert(0, _PatchLoader())
+    sys.meta_path.insert(0, _PatchAfterImport(_LOADER, _widen))
+if os.environ.get("DYNSPEC_BREAK_TREE_MASK") == "1":
+    sys.meta_path.insert(0, _PatchAfterImport(_ATTENTION, _break_mask))
