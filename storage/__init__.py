@@ -11,7 +11,9 @@ Records in and out are frozen dataclasses; no ORM object or session leaves this 
 
 from __future__ import annotations
 
+from storage._engine import DEFAULT_BUSY_TIMEOUT_S, DEFAULT_URL, redact_url
 from storage._models import SCHEMA_VERSION
+from storage._pooling import DEFAULT_WARM_START_ROWS
 from storage._records import (
     EVENT_KINDS,
     EventRecord,
@@ -22,13 +24,7 @@ from storage._records import (
     ServerRecord,
     ServerSeen,
 )
-from storage._storage import (
-    DEFAULT_BUSY_TIMEOUT_S,
-    DEFAULT_URL,
-    DEFAULT_WARM_START_ROWS,
-    Storage,
-    redact_url,
-)
+from storage._storage import Storage
 
 __all__ = [
     "DEFAULT_BUSY_TIMEOUT_S",

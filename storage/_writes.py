@@ -1,0 +1,85 @@
+"""Writing the history: one tick's servers, observations, policy versions and events in a
+single transaction."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from sqlalchemy import insert
+
+from storage._models import EventModel, ObservationModel, PolicyVersionModel
+from storage._records import EventRecord, ObservationRecord, PolicyVersionRecord, ServerSeen
+from storage._servers import ServersMixin
+
+__all__ = ["WritesMixin"]
+
+
+class WritesMixin(ServersMixin):
+    """:meth:`record_tick`."""
+
+    def record_tick(
+        self,
+        *,
+        servers: Sequence[ServerSeen] = (),
+        observations: Sequence[ObservationRecord] = (),
+        policy_versions: Sequence[PolicyVersionRecord] = (),
+        events: Sequence[EventRecord] = (),
+    ) -> None:
+        """Write everything one tick produced in a single transaction (all or nothing).
+
+        Raises:
+            StorageError: nothing was written; the caller may retry the same rows later.
+        """
+        if not (servers or observations or policy_versions or events):
+            return
+        self._refuse_if_read_only("record")
+        addresses = (
+            {o.server for o in observations}
+            | {p.server for p in policy_versions}
+            | {e.server for e in events if e.server is not None}
+        )
+        with self._session_scope("recording a tick") as s:
+            ids = self._server_ids(s, addresses, servers)
+            obs_rows = [
+                {
+                    "server_id": ids[o.server],
+                    "ts": o.ts,
+                    "b": o.b,
+                    "k": o.k,
+                    "decode_steps": o.decode_steps,
+                    "emitted_tokens": o.emitted_tokens,
+                    "accepted_drafts": o.accepted_drafts,
+                    "drafted_tokens": o.drafted_tokens,
+                    "busy_s": o.busy_s,
+                }
+                for o in observations
+            ]
+            version_rows = [
+                {
+                    "server_id": ids[p.server],
+                    "ts": p.ts,
+                    "version": p.version,
+                    "table_json": json.dumps([[b, k] for b, k in p.table]),
+                    "policy": p.policy,
+                    "reason": p.reason,
+                    "outcome": p.outcome,
+                }
+                for p in policy_versions
+            ]
+            event_rows = [
+                {
+                    "server_id": None if e.server is None else ids[e.server],
+                    "ts": e.ts,
+                    "kind": e.kind,
+                    "detail": e.detail,
+                }
+                for e in events
+            ]
+            for model, rows in (
+                (ObservationModel, obs_rows),
+                (PolicyVersionModel, version_rows),
+                (EventModel, event_rows),
+            ):
+                if rows:  # an empty executemany is an error
+                    s.execute(insert(model), rows)
