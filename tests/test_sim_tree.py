@@ -121,3 +121,36 @@ def test_engine_switches_the_tree_off_by_batch_size_from_the_table():
     assert all(r.accepted_drafts == 0 for r in rows if r.k == 0)
     ok, why = eng.core.apply_update(encode_update(((None, 1),), 2))
     assert not ok and "not a built arm" in why
+
+
+@pytest.mark.parametrize("workload", ["mixed", "shift"])
+def test_workload_emitted_of_a_one_wide_tree_is_the_chains(workload):
+    from tuner.sim.oracle import workload_emitted
+    from tuner.sim.tree import tree_workload_emitted
+
+    chain_like = TreeArm(TreeShape(4, 2, 3))  # N = S + 1: the top-1 chain
+    assert tree_workload_emitted(workload, "eagle3-dense", chain_like) == pytest.approx(
+        workload_emitted(workload, "eagle3-dense", 2), rel=1e-6)
+    assert tree_workload_emitted(workload, "eagle3-dense", TreeArm(SEED_TREE)) > (
+        workload_emitted(workload, "eagle3-dense", 2) + 0.1)
+
+
+def test_engine_agrees_with_the_tree_oracle_under_a_heterogeneous_workload():
+    from tuner.sim.tree import tree_workload_emitted
+
+    eng = _tree_engine(((None, 2),), "mixed", conc=48, seed=11)
+    eng.run_until(60.0)
+    c = eng.counters
+    assert c.decode_tokens / c.request_steps == pytest.approx(
+        tree_workload_emitted("mixed", eng.profile.acceptance, TreeArm(SEED_TREE)), rel=0.015)
+
+
+def test_tree_oracle_table_turns_the_tree_off_where_it_stops_paying():
+    from tuner.sim.tree import tree_oracle_table
+
+    table = tree_oracle_table(load_profile("h100-llama8b"), "chat", TreeArm(TreeShape(4, 2, 8)),
+                              range(1, 65))  # fmt: skip
+    assert table[0][1] == 2 and table[-1] == (None, 0) and len(table) == 2
+    wider = tree_oracle_table(load_profile("h100-llama8b"), "chat", TreeArm(SEED_TREE),
+                              range(1, 65))  # fmt: skip
+    assert wider[0][0] < table[0][0]  # a 16-token verify stops paying at smaller batches

@@ -26,6 +26,11 @@ tokens; SGLang's draft extend after a tree verify runs over ``N`` tokens per req
 ``S·draft(b, K) + target(b, N) + draft(b, N)``; with the parametric model of ``anchors.md``
 §3.1: ``fwd(b·N, b, verify) + v_o + S·(d_o + d_n·b·K) + e_o + e_n·b·N``. The off arm costs
 what ``k = 0`` costs for a chain server.
+
+**Oracle.** :func:`tree_workload_emitted` takes the tree's tokens per request-step over a
+workload as ``tuner.sim.oracle.workload_emitted`` does for chains, and
+:func:`tree_oracle_table` picks 0 or the tree per batch size from exact expectations: what a
+bench scenario of a tree server scores its policies against.
 """
 
 from __future__ import annotations
@@ -37,14 +42,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from tuner.protocol import TreeShape
-from tuner.sim.acceptance import beta_nodes
+from tuner.sim.acceptance import AcceptanceShape, beta_nodes
 from tuner.sim.graphs import cuda_graph_bs, pad_batch_size
 from tuner.sim.profiles import CostProfile, ParametricProfile, TableProfile
+from tuner.sim.workloads import Workload, get_workload
 
 __all__ = [
     "DEFAULT_TOPK_GAIN",
     "TreeArm",
     "tree_expected_goodput",
+    "tree_oracle_table",
+    "tree_workload_emitted",
 ]
 
 DEFAULT_TOPK_GAIN = 0.12
@@ -90,16 +98,22 @@ class TreeArm:
         return np.cumprod(self.lift(cond), axis=-1)
 
     def expected_emitted(self, alpha: float, delta: float = 1.0, *,
-                         kappa: float | None = None) -> float:  # fmt: skip
-        """Expected tokens a request emits per tree step (bonus included), for first-position
-        acceptance ``alpha`` (Beta with concentration ``kappa`` when given)."""
+                         kappa: float | None = None, shape: AcceptanceShape | None = None,
+                         inverse: bool = False) -> float:  # fmt: skip
+        """Expected tokens a request emits per tree step (bonus included), or ``E[1/emitted]``
+        with ``inverse``, for first-position acceptance ``alpha`` (Beta with concentration
+        ``kappa`` when given) under the chain ``alpha·delta^(i−1)`` or a class's ``shape``
+        (its drift is not modelled here: taken at mid-request)."""
         if kappa is None:
             x, w = np.array([alpha]), np.array([1.0])
         else:
             x, w = beta_nodes(alpha, kappa)
-        cond = x[:, None] * delta ** np.arange(self.steps, dtype=np.float64)[None, :]
+        if shape is not None:
+            cond = shape.conditional(x, self.steps)
+        else:
+            cond = x[:, None] * delta ** np.arange(self.steps, dtype=np.float64)[None, :]
         em = 1.0 + np.cumprod(self.lift(cond), axis=-1).sum(axis=-1)
-        return float((w * em).sum())
+        return float((w / em).sum() if inverse else (w * em).sum())
 
     def step_s(self, profile: CostProfile, b: int) -> float:
         """Seconds of one tree step of ``b`` requests (``b`` after graph padding)."""
@@ -140,3 +154,58 @@ def tree_expected_goodput(
         tree.steps: b * tree.expected_emitted(alpha, delta, kappa=kappa) / tree.step_s(profile,
                                                                                        padded),
     }
+
+
+def tree_workload_emitted(workload: Workload | str, family: str, tree: TreeArm, *,
+                          heterogeneous: bool = True) -> float:  # fmt: skip
+    """Tokens per request per tree step under a workload, weighted per request-step as
+    ``tuner.sim.oracle.workload_emitted`` weights chains (``Σ tokens / Σ steps``), the phases of
+    a shifting workload averaged by duration."""
+    from tuner.sim.oracle import _decode_tokens_mean
+
+    wl = get_workload(workload) if isinstance(workload, str) else workload
+    kappa = wl.kappa if heterogeneous else None
+    parts, start = [], 0.0
+    for ph in wl.phases:
+        parts.append((ph.duration_s / wl.period_s, wl.mix_at(start)))
+        start += ph.duration_s
+    total = 0.0
+    for pw, mix in parts:
+        tokens = steps = 0.0
+        for w, cls in mix:
+            alpha, delta = cls.alpha_delta(family)
+            d = w * _decode_tokens_mean(cls.output)
+            tokens += d
+            steps += d * tree.expected_emitted(alpha, delta, kappa=kappa, shape=cls.shape,
+                                               inverse=True)  # fmt: skip
+        total += pw * tokens / steps
+    return total
+
+
+def tree_oracle_table(
+    profile: CostProfile,
+    workload: Workload | str,
+    tree: TreeArm,
+    batch_sizes: Sequence[int],
+    *,
+    graph_bs: Sequence[int] | None = None,
+) -> tuple[tuple[int | None, int], ...]:
+    """The best arm, 0 or the tree, per batch size of a tree server (exact expectations), as a
+    policy table over ``batch_sizes`` (sorted; the last row unbounded)."""
+    from tuner.sim.oracle import workload_emitted
+
+    graphs = cuda_graph_bs() if graph_bs is None else graph_bs
+    em_tree = tree_workload_emitted(workload, profile.acceptance, tree)
+    em_off = workload_emitted(workload, profile.acceptance, 0)
+    rows: list[tuple[int | None, int]] = []
+    for b in sorted(set(batch_sizes)):
+        pb = pad_batch_size(b, graphs)
+        on = em_tree / tree.step_s(profile, pb)
+        off = em_off / profile.step_s(pb, 0)
+        k = tree.steps if on > off else 0
+        if rows and rows[-1][1] == k:
+            rows[-1] = (b, k)
+        else:
+            rows.append((b, k))
+    rows[-1] = (None, rows[-1][1])
+    return tuple(rows)
