@@ -108,7 +108,8 @@ def test_sglang_args_cli_for_a_tree(tmp_path, capsys):
                  "--out", str(out)]) == 0  # fmt: skip
     assert json.loads(out.read_text()) == {"1": {"candidate_steps": [0, 2]}}
     printed = capsys.readouterr().out
-    assert "--speculative-eagle-topk 4" in printed and "--speculative-num-draft-tokens 16" in printed
+    assert "--speculative-eagle-topk 4" in printed
+    assert "--speculative-num-draft-tokens 16" in printed
     assert main(["sglang-args", "--arms", "0,1,2", "--topk", "4", "--draft-tokens", "16",
                  "--out", str(tmp_path / "bad.json")]) == 2  # fmt: skip
     assert "two arms" in capsys.readouterr().err

@@ -223,7 +223,8 @@ def test_eagle_worker_v2_swaps_the_tree_width_in_and_out(sglang_plugin):
                  speculative_num_draft_tokens=WIDTH):
         draft = SimpleNamespace(topk=TOPK, draft_runner=SimpleNamespace())
         draft._rebuild_topk1_chain_buffers = (
-            lambda: EagleDraftWorkerBase._rebuild_topk1_chain_buffers(draft)  # returns for top-k > 1
+            # SGLang's own method; it returns at once for top-k > 1.
+            lambda: EagleDraftWorkerBase._rebuild_topk1_chain_buffers(draft)
         )
         worker = EAGLEWorkerV2.__new__(EAGLEWorkerV2)
         worker.topk, worker.speculative_num_steps = TOPK, STEPS
@@ -233,7 +234,8 @@ def test_eagle_worker_v2_swaps_the_tree_width_in_and_out(sglang_plugin):
         off = SpecRuntimeState(0, 1, "draft0", None, "target0", None, "extend0", None)
         tree = SpecRuntimeState(STEPS, WIDTH, "draft2", None, "target2", None, "extend2", None)
         worker.apply_runtime_state(off)
-        assert (get_spec().speculative_num_steps, get_spec().speculative_num_draft_tokens) == (0, 1)
+        spec = get_spec()
+        assert (spec.speculative_num_steps, spec.speculative_num_draft_tokens) == (0, 1)
         assert worker._target_worker.model_runner.attn_backend == "target0"
         assert (draft.speculative_num_draft_tokens, draft.draft_attn_backend) == (1, "draft0")
         worker.apply_runtime_state(tree)

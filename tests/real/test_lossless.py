@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
 from _drive import counters, push
-from _server import STAND_IN, VOCAB, HERE, RealServer, ServerSpec, http, need_server_env, readout
+from _server import HERE, STAND_IN, VOCAB, RealServer, ServerSpec, http, need_server_env, readout
 
 from tuner.protocol import DynspecState, counter_deltas
 
@@ -66,14 +67,13 @@ class LosslessServer(RealServer):
         v, spec = self.variant, self.spec
         target, draft = _models(spec)
         cmd = [
-            "python", "-m", "sglang.launch_server",
+            sys.executable, "-m", "sglang.launch_server",
             "--model-path", str(target), "--load-format", "dummy",
             "--device", "cpu", "--host", "127.0.0.1", "--port", str(spec.port),
             "--prefill-attention-backend", "intel_amx", "--decode-attention-backend", "intel_amx",
             "--disable-cuda-graph", "--max-running-requests", str(spec.max_running),
             "--max-total-tokens", "8192", "--context-length", "1024",
         ]  # fmt: skip
-        cmd[0] = super().command()[0]  # the same interpreter as the tier's servers
         if v.algorithm is None:
             return cmd
         config = spec.workdir / "adaptive.json"
@@ -81,7 +81,8 @@ class LosslessServer(RealServer):
         return cmd + [
             "--speculative-algorithm", v.algorithm,
             # STANDALONE drafts with a copy of the target: same config, same dummy weights.
-            "--speculative-draft-model-path", str(target if v.algorithm == "STANDALONE" else draft),
+            "--speculative-draft-model-path",
+            str(target if v.algorithm == "STANDALONE" else draft),
             "--speculative-draft-load-format", "dummy",
             "--speculative-draft-attention-backend", "intel_amx",
             "--speculative-eagle-topk", str(v.topk), "--speculative-num-steps", str(v.steps),

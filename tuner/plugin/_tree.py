@@ -1,4 +1,4 @@
-"""Per-batch speculation on/off for EAGLE trees (``--speculative-eagle-topk`` > 1) in SGLang 0.5.23.
+"""Per-batch speculation on/off for EAGLE trees (``--speculative-eagle-topk`` > 1), SGLang 0.5.23.
 
 SGLang's adaptive mode already switches runtime states per decode batch, and its ``steps = 0``
 state is a plain target decode handed to the scheduler in the speculative format
@@ -14,10 +14,11 @@ these hooks lift them, and only for the one shape that is safe to switch — can
 - AROUND ``arg_groups/speculative_hook.py::_init_adaptive_speculative_params`` (line 1392),
   which forces ``speculative_num_draft_tokens = steps + 1`` (line 1426): a tree keeps its
   configured node count.
-- AROUND ``speculative/spec_info.py::SpeculativeAlgorithm.resolve_max_speculative_num_draft_tokens``
-  (line 268), which answers ``max(candidate_steps) + 1`` under adaptive (line 289) and so
-  fails start-up against a tree's larger width (``arg_groups/overrides.py`` line 1951): the
-  answer is at least the tree's width.
+- AROUND ``speculative/spec_info.py``
+  ``SpeculativeAlgorithm.resolve_max_speculative_num_draft_tokens`` (line 268), which answers
+  ``max(candidate_steps) + 1`` under adaptive (line 289) and so fails start-up against a
+  tree's larger width (``arg_groups/overrides.py`` line 1951): the answer is at least the
+  tree's width.
 - AFTER ``speculative/standalone_worker_v2.py::StandaloneWorkerV2.__init__`` (line 139), which
   leaves ``adaptive_controller`` None ("TODO: Adaptive speculative", line 182): the controller
   EAGLEWorkerV2 builds, built the same way. The rest is inherited from EAGLEWorkerV2.
@@ -85,7 +86,7 @@ def tree_refusal(
     """
     if topk is None or topk == 1:
         return None
-    steps = sorted(set(int(s) for s in candidate_steps))
+    steps = sorted({int(s) for s in candidate_steps})
     depth = num_steps if num_steps is not None else steps[len(steps) // 2]
     if depth < 1 or steps != [0, depth]:
         return (

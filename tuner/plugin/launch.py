@@ -111,7 +111,8 @@ def sglang_flags(
         depth = built[-1]
         if len(built) != 2 or built[0] != 0 or depth < 1:
             raise ValueError(
-                f"a tree (top-k {topk}) has two arms, 0 and its depth (e.g. 0,2); got {list(built)}"
+                f"a tree (top-k {topk}) has two arms, 0 and its depth (e.g. 0,2); "
+                f"got {list(built)}"
             )
         if draft_tokens is None:
             raise ValueError("a tree needs its draft-token count (SGLang's "
