@@ -36,7 +36,8 @@ def test_report_gives_each_baseline_with_an_interval_and_its_source(history):
     for rg in s.gains:
         g = rg.gain
         assert g.low <= g.ratio <= g.high and 0 <= g.measured_share <= 1
-    (srv_json,) = json.loads(render_json(build_report(Storage(history, read_only=True))))["servers"]
+    with Storage(history, read_only=True) as st:
+        (srv_json,) = json.loads(render_json(build_report(st)))["servers"]
     assert [g["baseline"] for g in srv_json["gains"]] == names
     assert srv_json["gains"][0]["ci95"][0] <= srv_json["gains"][0]["ratio"]
 
