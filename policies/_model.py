@@ -263,7 +263,7 @@ class ModelPolicy(LearningPolicy):
 
     def _step_times(self) -> StepTimePosterior:
         """Log step time per (bucket, arm): the cost model plus each cell's learned deviation
-        (:mod:`policies._step_time`), conditioned on every bucket's measured step times."""
+        (:mod:`policies._steptime`), conditioned on every bucket's measured step times."""
         p = self.params
         cells = [
             Cell(bucket=j, arm=k, b=t.mean_b, log_t=t.mean,

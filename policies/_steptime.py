@@ -11,9 +11,9 @@
   the experts a step reads saturate as ``b·(k+1)`` grows, so deep drafts get relatively
   *cheaper* up to mid batch sizes, which no bilinear form can say; there ``u`` is large.
 
-``τ`` is not assumed: the residuals of the measured cells beyond their own noise decide it
-(empirical Bayes: the marginal likelihood over a grid of ``τ``, the grid's posterior
-averaged rather than one ``τ`` picked). Where the model fits, ``τ`` stays small and a cell
+``τ`` is not assumed: the residuals of the measured cells beyond their own noise decide it,
+and the field's correlation lengths with it (empirical Bayes: the marginal likelihood over a
+small grid, the grid's posterior averaged rather than one point picked). Where the model fits, ``τ`` stays small and a cell
 never run is predicted tightly from the model (little exploration); where it does not,
 ``τ`` grows, cells never run widen towards "anything the neighbours allow", and the measured
 neighbours rather than the model carry the prediction.
