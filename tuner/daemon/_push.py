@@ -1,0 +1,147 @@
+"""Learning and deciding for one server: observations to the policy, a table each
+decision period, the push and what a refusal means."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+from policies import Observation
+from storage import ObservationRecord
+from tuner.config import TunerConfig
+from tuner.daemon._records import _Server
+from tuner.errors import ServerError, ServerUnavailableError
+from tuner.protocol import ProtocolError, Table, format_table, validate_table
+
+log = logging.getLogger("tuner.daemon")  # one logger name for the whole loop
+
+
+class _Pusher:
+    """The :class:`~tuner.daemon.Daemon`'s learning, decisions and pushes."""
+
+    config: TunerConfig
+    metrics: object
+
+    def _learn(self, srv: _Server, observations: Sequence[Observation], now: float) -> int:
+        records = []
+        used = steps = emitted = 0
+        busy = 0.0
+        for o in observations:
+            records.append(
+                ObservationRecord(srv.address, now, o.b, o.k, int(o.decode_steps),
+                                  int(round(o.emitted_tokens)), int(round(o.accepted_drafts)),
+                                  int(round(o.drafted_tokens)), float(o.busy_s))
+            )
+            # Without a policy (it could not be built) the history still gets every row.
+            if srv.policy is not None and srv.policy.update(o):
+                used += 1
+                steps += o.decode_steps
+                emitted += o.emitted_tokens
+                busy += o.busy_s
+            elif srv.policy is not None:
+                log.debug("%s: observation not used: %s", srv.address, o.problem() or "arm")
+        self._buffer.add_observations(records)
+        srv.observations += used
+        srv.decode_steps += int(steps)
+        srv.interval_goodput = emitted / busy if busy > 0 else math.nan
+        if self.metrics is not None and records:
+            self.metrics.record_observations(srv.address, len(records))
+        return used
+
+    def _decide(self, srv: _Server, now: float) -> int:
+        if srv.mode != "plugin" or srv.policy is None or srv.read_only:
+            return 0
+        due = srv.last_decision is None or now - srv.last_decision >= self.config.decision_period_s
+        if not due and not srv.needs_push:
+            return 0
+        repush, srv.repush = srv.repush and srv.needs_push, False
+        before = srv.desired
+        if due:
+            srv.last_decision = now
+            proposal = srv.policy.propose()
+            reason = "greedy" if proposal == srv.policy.greedy() else "explore"
+            if repush and proposal == before:
+                reason = "re-push after restart"
+            try:
+                proposal = validate_table(proposal, srv.arms)
+            except ProtocolError as exc:  # a policy bug must never reach a server
+                log.error("%s: policy %s proposed an invalid table (%s); keeping %s",
+                          srv.address, self.config.policy, exc,
+                          format_table(srv.server_table) if srv.server_table else "the table")
+                return 0
+            srv.desired = proposal
+        else:
+            proposal = srv.desired
+            reason = "re-push after restart" if repush else "re-push: replicas disagree"
+        if proposal is None:
+            srv.needs_push = False
+            return 0
+        if self.config.dry_run:
+            if proposal != srv.dry_last:
+                srv.dry_last = proposal
+                srv.version += 1
+                self._record_version(srv, now, srv.version, proposal, reason, "dry_run")
+                log.info("%s: would push v%d %s (%s; dry run)", srv.address, srv.version,
+                         format_table(proposal), reason)
+            return 0
+        if proposal == srv.server_table:
+            if repush:
+                log.info("%s: the restarted server already runs %s; nothing to re-push",
+                         srv.address, format_table(proposal))
+            srv.needs_push = False
+            return 0
+        if proposal == srv.rejected_table and now - srv.rejected_at < self.config.backoff_max_s:
+            # Refused by every replica already: the same table would be refused again.
+            srv.needs_push = False
+            log.debug("%s: not pushing %s again (refused)", srv.address, format_table(proposal))
+            return 0
+        return self._push(srv, proposal, reason, now)
+
+    def _push(self, srv: _Server, table: Table, reason: str, now: float) -> int:
+        version = srv.version + 1
+        try:
+            reply = srv.client.push(table, version)
+        except ServerUnavailableError as exc:
+            # It may have been applied before the connection broke: never call it foreign.
+            srv.sent_version = max(srv.sent_version, version)
+            self._record_version(srv, now, version, table, reason, "unsent")
+            self._trouble(srv, now, "outage", str(exc))
+            return 0
+        except (ServerError, ProtocolError) as exc:
+            srv.version = version
+            srv.needs_push = False
+            srv.rejected_table, srv.rejected_at = table, now
+            srv.errors += 1
+            self._record_version(srv, now, version, table, reason, "rejected")
+            self._event(srv.address, now, "update_rejected", str(exc))
+            log.warning("%s: push of v%d refused: %s", srv.address, version, exc)
+            if self.metrics is not None:
+                self.metrics.record_rejected_update(srv.address)
+            return 0
+        # The version is spent either way: a replica that refused it compares the next one.
+        srv.version = version
+        if any(reply):
+            srv.sent_version = max(srv.sent_version, version)
+        if all(reply):
+            srv.server_table = table
+            srv.server_version = version
+            srv.needs_push = False
+            srv.rejected_table = None
+            srv.pushes += 1
+            self._record_version(srv, now, version, table, reason, "applied")
+            log.info("%s: pushed v%d %s (%s)", srv.address, version, format_table(table), reason)
+            if self.metrics is not None:
+                self.metrics.record_push(srv.address, version)
+            return 1
+        refused = [i for i, ok in enumerate(reply) if not ok]
+        # Partly applied: replicas now disagree; the next decision pushes to all again.
+        srv.server_table = None if len(refused) < len(reply) else srv.server_table
+        srv.needs_push = False
+        if len(refused) == len(reply):
+            srv.rejected_table, srv.rejected_at = table, now
+        srv.pending_rejection = f"v{version} {format_table(table)} refused by replica(s) {refused}"
+        self._record_version(srv, now, version, table, reason, "rejected")
+        log.warning("%s: v%d refused by replica(s) %s; their reason follows on the next reading",
+                    srv.address, version, refused)
+        return 0

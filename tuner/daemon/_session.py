@@ -1,0 +1,272 @@
+"""One server's session: reading it (plugin or metrics-only), turning counters into
+observations, restarts, foreign pushes, and trouble with back-off."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from policies import Buckets, Observation
+from storage import ServerSeen
+from tuner.config import TunerConfig
+from tuner.daemon._book import _model_of
+from tuner.daemon._records import DEFAULT_PLUGIN_RECHECK_S, _Server
+from tuner.errors import (
+    MalformedReplyError,
+    PluginMissingError,
+    ServerError,
+    ServerUnavailableError,
+)
+from tuner.protocol import CounterRow, DynspecState, Table, counter_deltas, format_table
+
+log = logging.getLogger("tuner.daemon")  # one logger name for the whole loop
+
+
+class _Session:
+    """The :class:`~tuner.daemon.Daemon`'s per-server tick up to the observations; then
+    ``_learn`` and ``_decide`` (:mod:`._push`)."""
+
+    config: TunerConfig
+    buckets: Buckets
+    metrics: object
+
+    def _tick_guarded(self, srv: _Server, now: float) -> tuple[int, int]:
+        try:
+            return self._tick_server(srv, now)
+        except Exception as exc:  # a bug for one server must not stop the others
+            log.exception("%s: unexpected error in the tick", srv.address)
+            self._trouble(srv, now, "malformed_reply", f"internal error: {exc!r}")
+            return 0, 0
+
+    def _tick_server(self, srv: _Server, now: float) -> tuple[int, int]:
+        try:
+            if srv.mode == "metrics-only":
+                observations = self._read_metrics_only(srv, now)
+            else:
+                observations = self._read_plugin(srv, now)
+        except PluginMissingError as exc:
+            self._enter_metrics_only(srv, now, exc)
+            return 0, 0
+        except ServerUnavailableError as exc:
+            self._trouble(srv, now, "outage", str(exc))
+            return 0, 0
+        except ServerError as exc:  # malformed replies, refused API key ...
+            self._trouble(srv, now, "malformed_reply", str(exc))
+            return 0, 0
+        self._recovered(srv, now)
+        used = self._learn(srv, observations, now)
+        pushes = self._decide(srv, now)
+        return used, pushes
+
+    def _read_plugin(self, srv: _Server, now: float) -> list[Observation]:
+        info = srv.client.server_info()
+        self._note_model(srv, _model_of(info), now)  # metrics-only mode reads it here too
+        states = srv.client.parse_state(info)
+        arms = states[0].arms
+        if any(s.arms != arms for s in states):
+            raise MalformedReplyError(
+                srv.address, f"DP replicas report different arms: {[s.arms for s in states]}"
+            )
+        if srv.mode != "plugin":
+            if srv.mode == "metrics-only":
+                log.info("%s: the dynspec plugin is loaded now; leaving metrics-only mode",
+                         srv.address)
+            srv.mode = "plugin"
+            srv.sampler = None
+            if self.metrics is not None:
+                self.metrics.set_plugin_loaded(srv.address, True)
+        if srv.policy is None or arms != srv.arms:
+            if srv.policy is not None:
+                self._event(srv.address, now, "arms_changed", f"{srv.arms} -> {arms}")
+                log.warning("%s: arms changed %s -> %s; rebuilding the policy",
+                            srv.address, srv.arms, arms)
+            self._build_policy(srv, arms)
+            srv.prev = None
+            # Start the first decision one period from now, after seeing the server's own
+            # table at work; a restart re-push still goes out at once.
+            srv.last_decision = now
+        first = srv.prev is None
+        restarts = srv.restarts
+        srv.version = max(srv.version, *(s.policy_version for s in states))
+        tables = {s.table for s in states}
+        srv.server_table = states[0].table if len(tables) == 1 else None
+        if len(tables) > 1 and srv.desired is not None:
+            srv.needs_push = True  # replicas disagree: bring them back in step
+        srv.started_at = states[0].started_at
+        self._buffer.seen(ServerSeen(srv.address, arms, now, srv.started_at, self.config.pool,
+                                     srv.model))
+        observations = self._deltas(srv, states, now)
+        srv.prev = states
+        server_version = max(s.policy_version for s in states)
+        srv.server_version = server_version
+        if first or srv.restarts != restarts:
+            # Whatever the server runs now (its default, a table installed at start) is the
+            # baseline; only versions above it and above ours are someone else's.
+            srv.baseline_version, srv.sent_version = server_version, 0
+            if srv.server_table is not None:  # the baseline of report's gain figures
+                srv.start_table = srv.server_table
+                self._event(srv.address, now, "initial_table",
+                            f"v{server_version} {format_table(srv.server_table)}")
+        elif server_version > max(srv.baseline_version, srv.sent_version):
+            top = max(states, key=lambda st: st.policy_version)
+            self._foreign_push(srv, now, server_version, top.table)
+        return observations
+
+    def _foreign_push(self, srv: _Server, now: float, version: int, table: Table) -> None:
+        """Someone else pushed a table: two tuners on one server would fight over it."""
+        srv.baseline_version = version
+        if srv.read_only or self.config.dry_run:
+            return
+        srv.read_only = True
+        srv.needs_push = False
+        ours = f"v{srv.sent_version}" if srv.sent_version else "nothing yet"
+        detail = (
+            f"the server runs v{version} {format_table(table)}, which this daemon did not "
+            f"send (it sent {ours}): another tuner or an operator is pushing tables. This "
+            "daemon stops pushing to it and only observes (learning and history go on); "
+            "stop the other one, or run one of them with --dry-run, then restart this one"
+        )
+        log.error("%s: %s", srv.address, detail)
+        self._event(srv.address, now, "foreign_push", detail)
+
+    def _deltas(self, srv: _Server, states: list[DynspecState], now: float) -> list[Observation]:
+        prev = srv.prev
+        if prev is None:
+            # First reading: counters since the server started, under tables we did not
+            # choose, possibly already in the history. A baseline, not an observation.
+            srv.rejected_seen = [s.updates_rejected for s in states]
+            return []
+        if len(prev) != len(states):
+            self._restart(srv, now, f"DP replicas {len(prev)} -> {len(states)}")
+            srv.rejected_seen = [s.updates_rejected for s in states]
+            return []
+        merged: dict[tuple[int, int], list[float]] = {}
+        pending, srv.pending_rejection = srv.pending_rejection, None
+        if pending is not None and not any(
+            s.updates_rejected > (srv.rejected_seen[i] if i < len(srv.rejected_seen)
+                                  else p.updates_rejected)
+            for i, (p, s) in enumerate(zip(prev, states, strict=True))
+        ):
+            # SGLang said no but the plugin counted nothing: SGLang itself refused the keys.
+            self._event(srv.address, now, "update_rejected", pending)
+            if self.metrics is not None:
+                self.metrics.record_rejected_update(srv.address)
+        for i, (p, s) in enumerate(zip(prev, states)):
+            seen = srv.rejected_seen[i] if i < len(srv.rejected_seen) else p.updates_rejected
+            if s.updates_rejected > seen:
+                detail = f"replica {i}: {s.last_rejection or 'no reason given'}"
+                self._event(srv.address, now, "update_rejected", detail)
+                log.warning("%s: an update was refused (%s)", srv.address, detail)
+                if self.metrics is not None:
+                    self.metrics.record_rejected_update(srv.address)
+            if s.started_at != p.started_at:
+                self._restart(srv, now, f"replica {i}: started_at {p.started_at} -> {s.started_at}")
+                if s.started_at > p.started_at:
+                    # Counters of a restarted server count from zero: all of it is new.
+                    for c in s.counters:
+                        _add(merged, c)
+                continue
+            deltas = counter_deltas(p.counters, s.counters)
+            if deltas is None:
+                self._restart(srv, now, f"replica {i}: counters went backwards")
+                continue
+            for d in deltas:
+                _add(merged, d)
+        srv.rejected_seen = [s.updates_rejected for s in states]
+        return [
+            Observation(b, k, int(v[0]), int(v[1]), int(v[2]), int(v[3]), float(v[4]))
+            for (b, k), v in sorted(merged.items())
+            if v[0] > 0
+        ]
+
+    def _restart(self, srv: _Server, now: float, detail: str) -> None:
+        srv.restarts += 1
+        srv.rejected_table = None
+        self._event(srv.address, now, "restart", detail)
+        if self.metrics is not None:
+            self.metrics.record_restart(srv.address)
+        if srv.desired is not None and not self.config.dry_run:
+            srv.needs_push = True
+            srv.repush = True
+        log.warning("%s: server restarted (%s)", srv.address, detail)
+
+    def _enter_metrics_only(self, srv: _Server, now: float, exc: PluginMissingError) -> None:
+        from tuner.metrics_only import MetricsSampler, metrics_only_notice
+
+        self._recovered(srv, now)
+        if srv.mode != "metrics-only":
+            log.warning("%s", metrics_only_notice(srv.address))
+            self._event(srv.address, now, "plugin_missing", str(exc))
+            srv.mode = "metrics-only"
+            srv.sampler = MetricsSampler(server=srv.address, buckets=self.buckets)
+            srv.prev = None
+            srv.plugin_checked = now
+            if self.metrics is not None:
+                self.metrics.set_plugin_loaded(srv.address, False)
+
+    def _read_metrics_only(self, srv: _Server, now: float) -> list[Observation]:
+        from tuner.metrics_only import LOADS_PATH
+
+        if now - srv.plugin_checked >= DEFAULT_PLUGIN_RECHECK_S:
+            srv.plugin_checked = now
+            try:
+                return self._read_plugin(srv, now)
+            except PluginMissingError:
+                pass
+        text = srv.client.metrics_text()
+        loads = srv.client.loads(LOADS_PATH)
+        observations = srv.sampler.observe(text, loads, now=now)
+        ks = {o.k for o in observations}
+        if srv.policy is None or not ks <= set(srv.arms):
+            arms = tuple(sorted(set(srv.arms) | ks)) or ()
+            if arms:
+                self._build_policy(srv, arms)
+        self._buffer.seen(ServerSeen(srv.address, srv.arms, now, None, self.config.pool,
+                                     srv.model))
+        return observations
+
+    def _trouble(self, srv: _Server, now: float, kind: str, message: str) -> None:
+        """A failed reading or push: back off, and say so once per streak."""
+        srv.last_error = message
+        srv.errors += 1
+        first = srv.down_since is None
+        if first:
+            srv.down_since = now
+            srv.backoff = self.config.interval_s
+        else:
+            srv.backoff = min(srv.backoff * 2, self.config.backoff_max_s)
+        if first or kind != srv.trouble_kind:
+            srv.trouble_kind = kind
+            what = "unreachable" if kind == "outage" else "answering unexpectedly"
+            detail = message.removeprefix(f"{srv.address}: ")
+            log.warning("%s %s: %s (retrying with backoff up to %g s; said once until it "
+                        "recovers)", srv.address, what, detail, self.config.backoff_max_s)
+            self._event(srv.address, now, kind, message)
+            if self.metrics is not None and kind == "outage":
+                self.metrics.record_outage(srv.address)
+        if self.metrics is not None:
+            self.metrics.set_up(srv.address, False)
+        srv.next_attempt = now + srv.backoff
+
+    def _recovered(self, srv: _Server, now: float) -> None:
+        if srv.down_since is not None:
+            lasted = now - srv.down_since
+            log.info("%s: back after %.0f s", srv.address, lasted)
+            self._event(srv.address, now, "recovered", f"after {lasted:.1f} s")
+        srv.down_since = None
+        srv.trouble_kind = None
+        srv.last_error = None
+        srv.backoff = 0.0
+        srv.next_attempt = -math.inf
+        if self.metrics is not None:
+            self.metrics.set_up(srv.address, True)
+
+
+def _add(merged: dict[tuple[int, int], list[float]], c: CounterRow) -> None:
+    """Sum DP replicas' counters of one ``(b, k)``."""
+    row = merged.setdefault((c.b, c.k), [0, 0, 0, 0, 0.0])
+    row[0] += c.decode_steps
+    row[1] += c.emitted_tokens
+    row[2] += c.accepted_drafts
+    row[3] += c.drafted_tokens
+    row[4] += c.busy_s
