@@ -1,0 +1,40 @@
+"""What the command modules share: the consoles (the CLI is the only place that prints)
+and the flag converters.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+
+from tuner.errors import ConfigError
+
+console = Console(stderr=False, highlight=False)
+err_console = Console(stderr=True, highlight=False)
+
+
+def _csv_ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+
+
+def _history_url(flag: str | None) -> str:
+    import os
+
+    from tuner.config import DEFAULT_DB_URL
+
+    return flag or os.environ.get("DYNSPEC_DB") or DEFAULT_DB_URL
+
+
+def _buckets_arg(edges: tuple[int, ...] | None) -> Buckets | None:  # noqa: F821 (lazy)
+    from policies import Buckets
+
+    if not edges:
+        return None
+    try:
+        return Buckets(edges)
+    except ValueError as exc:
+        raise ConfigError(f"--buckets: {exc}") from exc
