@@ -18,7 +18,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -319,8 +319,3 @@ def wait_for(predicate, timeout_s: float, what: str, step_s: float = 0.5):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
         time.sleep(step_s)
-
-
-def stop_all(servers: Iterable[RealServer]) -> None:
-    for s in servers:
-        s.kill()

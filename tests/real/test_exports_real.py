@@ -10,7 +10,7 @@ import pytest
 from _drive import Load, Tuner, counters, run_client, tuner_args
 from _server import ARMS, generate, http, readout, wait_for
 
-from tuner.protocol import counter_deltas, lookup, table_from_json
+from tuner.protocol import lookup, table_from_json
 
 # What tuner/metrics_only.py reads from /metrics (name, required label or None).
 METRICS_ONLY_READS = (
