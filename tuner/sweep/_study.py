@@ -44,12 +44,9 @@ def measurements_from_study(study: optuna.Study) -> list[Measurement]:
     return out
 
 
-class SweepSampler(optuna.samplers.BaseSampler):
-    """An Optuna sampler whose suggestion is :meth:`Planner.next_cell` over the study's trials.
-
-    Deterministic: the same stored measurements give the same next cell, which is what makes
-    a resumed sweep skip what was measured.
-    """
+class _ReadsMeasurements:
+    """What the sampler and the pruner share: the pure :class:`Planner` and how the study's
+    measurements are read (:func:`measurements_from_study`, or the driver's own list)."""
 
     def __init__(
         self,
@@ -59,6 +56,14 @@ class SweepSampler(optuna.samplers.BaseSampler):
     ) -> None:
         self.planner = planner
         self.measurements = measurements
+
+
+class SweepSampler(_ReadsMeasurements, optuna.samplers.BaseSampler):
+    """An Optuna sampler whose suggestion is :meth:`Planner.next_cell` over the study's trials.
+
+    Deterministic: the same stored measurements give the same next cell, which is what makes
+    a resumed sweep skip what was measured.
+    """
 
     def next_cell(self, study: optuna.Study) -> Cell | None:
         return self.planner.next_cell(self.measurements(study))
@@ -90,21 +95,12 @@ class SweepSampler(optuna.samplers.BaseSampler):
         raise ValueError(f"the sweep sampler only samples concurrency and arm, not {param_name!r}")
 
 
-class RacePruner(optuna.pruners.BasePruner):
+class RacePruner(_ReadsMeasurements, optuna.pruners.BasePruner):
     """Prunes a window whose arm is clearly behind the best measured arm at its level.
 
     "Clearly": the trial's running tokens/s plus ``z`` standard errors of the difference is
     still below the leader's pooled mean. Table windows are never pruned.
     """
-
-    def __init__(
-        self,
-        planner: Planner,
-        *,
-        measurements: Callable[[optuna.Study], list[Measurement]] = measurements_from_study,
-    ) -> None:
-        self.planner = planner
-        self.measurements = measurements
 
     def prune(self, study: optuna.Study, trial: FrozenTrial) -> bool:
         cfg = self.planner.config
