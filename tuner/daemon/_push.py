@@ -115,7 +115,10 @@ class _Pusher:
             srv.errors += 1
             self._record_version(srv, now, version, table, reason, "rejected")
             self._event(srv.address, now, "update_rejected", str(exc))
-            log.warning("%s: push of v%d refused: %s", srv.address, version, exc)
+            # A cause that stays (a wrong API key refuses every table) is said once.
+            say = log.warning if str(exc) != srv.last_refusal else log.debug
+            say("%s: push of v%d refused: %s", srv.address, version, exc)
+            srv.last_refusal = str(exc)
             if self.metrics is not None:
                 self.metrics.record_rejected_update(srv.address)
             return 0
@@ -128,6 +131,7 @@ class _Pusher:
             srv.server_version = version
             srv.needs_push = False
             srv.rejected_table = None
+            srv.last_refusal = None
             srv.pushes += 1
             self._record_version(srv, now, version, table, reason, "applied")
             log.info("%s: pushed v%d %s (%s)", srv.address, version, format_table(table), reason)

@@ -139,6 +139,7 @@ class _Server:
     rejected_table: Table | None = None
     rejected_at: float = -math.inf
     pending_rejection: str | None = None  # a refusal to record if the plugin gives no reason
+    last_refusal: str | None = None  # why the last push was refused (said once per cause)
     pool_from_id: int = 0  # the pool's rows up to this id are in the warm start
     policy_error: str | None = None
     future: Future | None = None  # the worker reading this server, while it runs
