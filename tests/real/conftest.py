@@ -69,21 +69,38 @@ def workdir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("real")
 
 
+# (name, server) for every server the session started, in order.
+_STARTED: list[tuple[str, RealServer]] = []
+_SHARED = {"plugin"}  # session-wide servers; any other belongs to the module that started it
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_servers() -> Iterator[None]:
+    """Servers a module started for itself stop when it ends: an idle SGLang scheduler still
+    keeps a core busy, and two cores cannot carry four of them while later modules measure."""
+    before = len(_STARTED)
+    yield
+    for name, server in _STARTED[before:]:
+        if name not in _SHARED:
+            server.kill()
+
+
 @pytest.fixture(scope="session")
 def servers(workdir) -> Iterator[Callable[..., RealServer]]:
-    """``start(name, **spec fields) -> RealServer``; every server is killed at session end."""
+    """``start(name, **spec fields) -> RealServer``; every server is killed at session end
+    (the shared ones) or at the end of the module that started it (the others)."""
     need_server_env()
-    started: list[RealServer] = []
+    first = len(_STARTED)
 
     def start(name: str, **fields) -> RealServer:
         server = RealServer(ServerSpec(workdir=workdir / name, **fields))
-        started.append(server)
+        _STARTED.append((name, server))
         return server.start()
 
     try:
         yield start
     finally:
-        for server in started:
+        for _, server in _STARTED[first:]:
             server.kill()
 
 
