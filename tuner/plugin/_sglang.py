@@ -416,20 +416,7 @@ def prefill_result_hook(result_: Any, self: Any, batch: Any, *args: Any, **kwarg
 def _hook_in_place(module: str, owner: str, attr: str, hook: Callable[..., Any]) -> bool:
     """Whether ``hook`` is in the wrapper chain now installed at ``module.owner.attr``."""
     mod = sys.modules.get(module)
-    fn = getattr(getattr(mod, owner, None), attr, None)
-    for _ in range(64):
-        if fn is None:
-            return False
-        if fn is hook:
-            return True
-        for cell in getattr(fn, "__closure__", None) or ():
-            try:
-                if cell.cell_contents is hook:
-                    return True
-            except ValueError:  # empty cell
-                continue
-        fn = getattr(fn, "__wrapped__", None)
-    return False
+    return _tree.wraps(getattr(getattr(mod, owner, None), attr, None), hook)
 
 
 def _missing_hooks() -> list[str]:

@@ -256,7 +256,8 @@ def register_tree_hooks(registry: Any, hook_type: Any) -> None:
     registry.register(TARGET_STANDALONE_INIT, standalone_init_hook, hook_type.AFTER)
 
 
-def _wraps(fn: Any, hook: Callable[..., Any]) -> bool:
+def wraps(fn: Any, hook: Callable[..., Any]) -> bool:
+    """Whether ``hook`` is in ``fn``'s wrapper chain (closures and ``__wrapped__``)."""
     for _ in range(64):
         if fn is None:
             return False
@@ -285,6 +286,6 @@ def missing_tree_hooks() -> list[str]:
         obj = sys.modules.get(module)
         if owner is not None:
             obj = getattr(obj, owner, None)
-        if not _wraps(getattr(obj, attr, None), hook):
+        if not wraps(getattr(obj, attr, None), hook):
             missing.append(f"{owner or module.rsplit('.', 1)[-1]}.{attr}")
     return missing
