@@ -1,5 +1,6 @@
-"""Every `dynspec-tuner ...` command in the README's shell blocks still parses (flags and
-values the CLI accepts), so the front door never shows a command that errors out at once."""
+"""Every `dynspec-tuner ...` command in the README's shell blocks and in the `docs/` pages it
+links still parses (flags and values the CLI accepts), so the front door never shows a command
+that errors out at once; the README opens with the two commands and its links resolve."""
 
 from __future__ import annotations
 
@@ -11,31 +12,58 @@ import pytest
 
 from tuner.cli import build_parser
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+
+RUN_SIMULATE = (
+    "python3.11 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/dynspec-tuner run --simulate"
+)
+RUN_TESTS = (
+    "python3.11 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/python -m pytest -q"
+)
 
 
-def _commands() -> list[str]:
-    text = README.read_text()
+def _blocks(text: str) -> list[str]:
+    return re.findall(r"```(?:bash|sh|shell|console)\n(.*?)```", text, re.S)
+
+
+def _commands(path: Path) -> list[str]:
     out = []
-    for block in re.findall(r"```(?:bash|sh|shell|console)\n(.*?)```", text, re.S):
+    for block in _blocks(path.read_text()):
         joined = re.sub(r"\\\n\s*", " ", block)
         for line in joined.splitlines():
             line = line.strip().removeprefix("$ ")
-            m = re.search(r"(?:^|[;&|(]\s*|^(?:\w+=\S*\s+)+)(dynspec-tuner\s.*)$", line)
+            m = re.search(
+                r"(?:^|[;&|(]\s*|^(?:\w+=\S*\s+)+|\.venv/bin/)(dynspec-tuner\s.*)$", line
+            )
             if m:
                 out.append(m.group(1))
     return out
 
 
-COMMANDS = _commands()
+COMMANDS = [(p.relative_to(ROOT).as_posix(), c) for p in PAGES for c in _commands(p)]
 
 
-def test_the_readme_has_commands():
+def test_the_pages_have_commands():
     assert len(COMMANDS) >= 20
+    assert sum(1 for page, _ in COMMANDS if page == "README.md") >= 4
 
 
-@pytest.mark.parametrize("command", COMMANDS)
-def test_readme_command_parses(command):
+def test_the_readme_opens_with_the_two_commands():
+    blocks = [b.strip() for b in _blocks(README.read_text())]
+    assert blocks[:2] == [RUN_SIMULATE, RUN_TESTS]
+
+
+def test_the_readmes_links_resolve():
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README.read_text())
+    assert links
+    missing = [link for link in links if not (ROOT / link).exists()]
+    assert not missing
+
+
+@pytest.mark.parametrize(("page", "command"), COMMANDS)
+def test_readme_command_parses(page, command):
     cmd = re.split(r"\s+#\s", command)[0]  # a trailing comment
     cmd = re.split(r"\s*(?:\||&&|;|\))\s*", cmd)[0]  # the first command of a pipeline
     argv = shlex.split(cmd)[1:]
@@ -43,5 +71,5 @@ def test_readme_command_parses(command):
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:
-        pytest.fail(f"README command does not parse ({exc.code}): {command}")
+        pytest.fail(f"{page}: command does not parse ({exc.code}): {command}")
     assert args.func is not None

@@ -3,7 +3,7 @@
 :func:`build_report` reads storage (every sum is computed by the database, one grouped query
 per report: :meth:`storage.Storage.moments`), :func:`summarize` is the pure fold of those
 sums into a :class:`Report`, and the renderers turn a report into text (fits 100 columns),
-JSON (schema ``dynspec-report/1``, documented in the README) or a self-contained HTML page
+JSON (schema ``dynspec-report/1``, documented in docs/commands.md) or a self-contained HTML page
 with the plots embedded. :func:`make_plots` draws the PNGs with matplotlib's Agg backend.
 
 Estimates. Each stored observation is one sampling interval ``i`` of one ``(b, k)`` with

@@ -1,4 +1,4 @@
-"""The JSON report (schema ``dynspec-report/1``, documented in the README)."""
+"""The JSON report (schema ``dynspec-report/1``, documented in docs/commands.md)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def _version_json(v: VersionEntry) -> dict[str, Any]:
 
 
 def report_to_json(report: Report) -> dict[str, Any]:
-    """The report as plain JSON-able data, schema ``dynspec-report/1`` (README: ``report``).
+    """The report as plain JSON-able data, schema ``dynspec-report/1`` (docs/commands.md: ``report``).
 
     Keys never disappear: a value that is unknown is ``null``. New keys may be added
     within the same schema version; a change of meaning bumps it.
