@@ -22,43 +22,17 @@ a :class:`Report`) and :mod:`._write` (formats and files).
 
 from __future__ import annotations
 
+from tuner.report import _model
 from tuner.report._aggregate import always_arm, build_report, open_history, parse_since, summarize
 from tuner.report._html import render_html
 from tuner.report._json import render_json, report_to_json
-from tuner.report._model import (
-    DEFAULT_TIME_BINS,
-    FORMATS,
-    REPORT_EVENT_KINDS,
-    REPORT_SCHEMA,
-    TEXT_WIDTH,
-    ArmStat,
-    BucketReport,
-    CurvePoint,
-    EventEntry,
-    Report,
-    ServerReport,
-    TimePoint,
-    VersionEntry,
-    _t975,  # noqa: F401  (the t quantiles are tested on their own)
-)
+from tuner.report._model import *  # noqa: F403  (the report's records, listed in _model)
+from tuner.report._model import _t975  # noqa: F401  (the t quantiles are tested on their own)
 from tuner.report._plots import make_plots
 from tuner.report._text import render_text
 from tuner.report._write import write_report
 
 __all__ = [
-    "DEFAULT_TIME_BINS",
-    "FORMATS",
-    "REPORT_EVENT_KINDS",
-    "REPORT_SCHEMA",
-    "TEXT_WIDTH",
-    "ArmStat",
-    "BucketReport",
-    "CurvePoint",
-    "EventEntry",
-    "Report",
-    "ServerReport",
-    "TimePoint",
-    "VersionEntry",
     "always_arm",
     "build_report",
     "make_plots",
@@ -71,3 +45,4 @@ __all__ = [
     "summarize",
     "write_report",
 ]
+__all__ += _model.__all__

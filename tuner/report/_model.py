@@ -4,6 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+__all__ = [
+    "DEFAULT_TIME_BINS",
+    "FORMATS",
+    "REPORT_EVENT_KINDS",
+    "REPORT_SCHEMA",
+    "TEXT_WIDTH",
+    "ArmStat",
+    "BucketReport",
+    "CurvePoint",
+    "EventEntry",
+    "Report",
+    "ServerReport",
+    "TimePoint",
+    "VersionEntry",
+]
 
 REPORT_SCHEMA = "dynspec-report/1"
 FORMATS = ("text", "json", "html")
@@ -127,6 +142,7 @@ class ServerReport:
     model: str | None = None  # what the server last said it runs
     plots: dict[str, str] = field(default_factory=dict)  # name -> file, when written beside
     gains: tuple = ()  # tuner.report_gain.ReportGain per baseline (start, k0, always)
+    switchback: object = None  # tuner.switchback.SwitchbackGain (run --holdout), else None
 
 
 @dataclass(frozen=True)
