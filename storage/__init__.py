@@ -11,34 +11,19 @@ Records in and out are frozen dataclasses; no ORM object or session leaves this 
 
 from __future__ import annotations
 
+from storage import _records
 from storage._engine import DEFAULT_BUSY_TIMEOUT_S, DEFAULT_URL, redact_url
 from storage._models import SCHEMA_VERSION
 from storage._pooling import DEFAULT_WARM_START_ROWS
-from storage._records import (
-    EVENT_KINDS,
-    EventRecord,
-    ObservationAggregate,
-    ObservationMoments,
-    ObservationRecord,
-    PolicyVersionRecord,
-    ServerRecord,
-    ServerSeen,
-)
+from storage._records import *  # noqa: F403  (the frozen records, listed in _records)
 from storage._storage import Storage
 
 __all__ = [
     "DEFAULT_BUSY_TIMEOUT_S",
     "DEFAULT_URL",
     "DEFAULT_WARM_START_ROWS",
-    "EVENT_KINDS",
     "SCHEMA_VERSION",
-    "EventRecord",
-    "ObservationAggregate",
-    "ObservationMoments",
-    "ObservationRecord",
-    "PolicyVersionRecord",
-    "ServerRecord",
-    "ServerSeen",
     "Storage",
     "redact_url",
 ]
+__all__ += _records.__all__
