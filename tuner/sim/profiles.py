@@ -25,6 +25,8 @@ Shipped profiles (:func:`list_profiles`): ``h200-llama8b`` (measured table), ``h
 8×RTX PRO 6000 box with Kimi-K2.5), and two measured mixture-of-experts tables,
 ``h200-moe-qwen3-30b-a3b`` (128 experts, top-8) and ``h200-moe-mixtral-8x7b`` (8 experts,
 top-2), where a verify of ``k+1`` tokens per request touches more experts at few requests.
+``h200-llama8b-q16`` and ``h200-moe-qwen3-30b-a3b-q16`` are the same shapes measured again with
+``q`` up to 16, for tree verifies of 16 draft tokens.
 """
 
 from __future__ import annotations
@@ -66,6 +68,10 @@ _SHIPPED = {
     "seed-kimi-pcie": "seed-kimi-pcie.json",
     "h200-moe-qwen3-30b-a3b": "h200-moe-qwen3-30b-a3b.jsonl",
     "h200-moe-mixtral-8x7b": "h200-moe-mixtral-8x7b.jsonl",
+    # Re-measured up to 16 tokens per request, so an EAGLE tree of 16 draft tokens is scored
+    # on measured verify times rather than refused (the tables above stop at q = 8).
+    "h200-llama8b-q16": "h200-llama8b-q16.jsonl",
+    "h200-moe-qwen3-30b-a3b-q16": "h200-moe-qwen3-30b-a3b-q16.jsonl",
 }
 
 
