@@ -71,6 +71,8 @@ DEFAULT_BACKOFF_MAX_S = 30.0
 # server-hour are kept as a few hundred, with the moments the report's intervals need.
 DEFAULT_ROLLUP_AFTER_S = 7 * 86400.0
 DEFAULT_ROLLUP_BIN_S = 3600.0
+# run --holdout: a baseline window and its control are this long (tuner.switchback).
+DEFAULT_HOLDOUT_WINDOW_S = 10.0
 # Younger rows may still be unread by a pool-mate or wanted raw by a warm start.
 MIN_ROLLUP_AFTER_S = 3600.0
 
@@ -223,6 +225,9 @@ class TunerConfig:
         rollup_after_s: observations older than this are rolled up into ``rollup_bin_s``
             bins (``Storage.rollup``, run by the daemon about hourly); None = never.
         rollup_bin_s: the time bin rolled-up observations are merged into.
+        holdout: the switchback's share of time on the baseline table (``run --holdout``,
+            :mod:`tuner.switchback`); None = no experiment.
+        holdout_window_s: the length of a baseline window and of its control.
     """
 
     servers: tuple[str, ...] = (DEFAULT_SERVER,)
@@ -240,6 +245,8 @@ class TunerConfig:
     pool: str | None = None
     rollup_after_s: float | None = DEFAULT_ROLLUP_AFTER_S
     rollup_bin_s: float = DEFAULT_ROLLUP_BIN_S
+    holdout: float | None = None
+    holdout_window_s: float = DEFAULT_HOLDOUT_WINDOW_S
 
     def __post_init__(self) -> None:
         if not self.servers:
@@ -290,6 +297,20 @@ class TunerConfig:
                     f"bin ({self.rollup_bin_s:g} s): younger rows may still be unread by a "
                     "pool-mate (use off to never roll up)"
                 )
+        if self.holdout is not None:
+            from tuner.switchback import parse_fraction
+
+            try:
+                object.__setattr__(self, "holdout", parse_fraction(self.holdout))
+            except ValueError as exc:
+                raise ConfigError(f"holdout {exc}") from None
+            _positive("holdout window", self.holdout_window_s)
+            if self.holdout_window_s < 2 * self.interval_s:
+                raise ConfigError(
+                    f"holdout window ({self.holdout_window_s:g} s) must be >= 2 intervals "
+                    f"({2 * self.interval_s:g} s): each window needs readings of its own")
+            if self.dry_run:
+                raise ConfigError("--holdout switches the server's table: not with --dry-run")
         if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()):
             raise ConfigError("api key must be non-empty without surrounding whitespace")
 
@@ -311,13 +332,14 @@ class TunerConfig:
 
         Flags: ``servers, servers_file, db_url, policy, interval_s, decision_period_s,
         buckets, api_key_file, dry_run, duration_s, timeout_s, seed, pool, rollup_after_s,
-        rollup_bin_s`` (the roll-up ones also as duration strings: ``7d``, ``1h``, ``off``).
+        rollup_bin_s, holdout, holdout_window_s`` (the roll-up ones also as duration strings: ``7d``, ``1h``, ``off``).
         Variables: ``DYNSPEC_ROLLUP_AFTER``, ``DYNSPEC_ROLLUP_BIN`` (durations),
         ``DYNSPEC_SERVERS`` (comma-separated), ``DYNSPEC_SERVERS_FILE``, ``DYNSPEC_POOL``,
         ``DYNSPEC_DB``, ``DYNSPEC_POLICY``,
         ``DYNSPEC_INTERVAL``, ``DYNSPEC_DECISION_PERIOD``, ``DYNSPEC_BUCKETS``,
         ``DYNSPEC_API_KEY``, ``DYNSPEC_API_KEY_FILE``, ``DYNSPEC_DRY_RUN``,
-        ``DYNSPEC_DURATION``, ``DYNSPEC_TIMEOUT``, ``DYNSPEC_SEED``.
+        ``DYNSPEC_DURATION``, ``DYNSPEC_TIMEOUT``, ``DYNSPEC_SEED``, ``DYNSPEC_HOLDOUT``,
+        ``DYNSPEC_HOLDOUT_WINDOW``.
 
         Raises:
             ConfigError: naming the flag or variable at fault.
@@ -369,6 +391,8 @@ class TunerConfig:
         pick("duration_s", "DURATION", float)
         pick("timeout_s", "TIMEOUT", float)
         pick("seed", "SEED", int)
+        pick("holdout", "HOLDOUT", str)
+        pick("holdout_window_s", "HOLDOUT_WINDOW", float)
         # Roll-up: seconds or durations (7d, 1h); "off" (rollup after only) never rolls up.
         for flag, var in (("rollup_after_s", "ROLLUP_AFTER"), ("rollup_bin_s", "ROLLUP_BIN")):
             raw = flags.get(flag)

@@ -93,6 +93,10 @@ class SimulationSummary:
     observations: int
     db_url: str
     start_table: Table = ((None, 0),)  # the table the simulated server started on
+    # run --holdout: the switchback's measured gain (tuner.switchback.SwitchbackGain) and the
+    # true value it estimates, from the oracle (tuner.report_switchback.true_gain)
+    switchback: object = None
+    switchback_truth: float = math.nan
 
     def judged(self, min_steps: int = DEFAULT_MIN_VERDICT_STEPS) -> tuple[BucketVerdict, ...]:
         return tuple(v for v in self.buckets if v.steps >= min_steps)
@@ -176,6 +180,29 @@ def summarize(
                      else (lambda b: lookup(start_table, b)))
     measured = emitted / busy if busy > 0 else math.nan
     return tuple(verdicts), measured, oracle_g, learned_g, default_g, rows
+
+
+def _switchback(storage: Storage, address: str, daemon: Daemon, engine: object):
+    """The switchback's estimate from the history, and the oracle's value of what it
+    estimates (NaN without a pair)."""
+    from functools import cache
+
+    from tuner.daemon._holdout import stratum
+    from tuner.report_switchback import read_pairs, server_switchback, true_gain
+    from tuner.sim import oracle
+
+    pairs = read_pairs(storage, address)
+    if not pairs:
+        return None, math.nan
+
+    @cache
+    def expected(b: int, k: int) -> float:
+        return oracle.expected_goodput(engine.profile, engine.workload, b, k,
+                                       graph_bs=tuple(engine.graph_bs),
+                                       skip_zero_draft_extend=engine.skip_zero_draft_extend)
+
+    truth = true_gain(storage, address, pairs, expected, lambda b: stratum(daemon.buckets, b))
+    return server_switchback(storage, address), truth
 
 
 def run_simulation(
@@ -270,7 +297,10 @@ def run_simulation(
             skip_zero_draft_extend=server.engine.skip_zero_draft_extend,
             start_table=start_table,
         )
+        switchback, truth = _switchback(storage, address, daemon, server.engine)
         return SimulationSummary(
+            switchback=switchback,
+            switchback_truth=truth,
             server=address,
             profile=sim.profile,
             workload=sim.workload,

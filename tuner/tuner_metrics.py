@@ -27,12 +27,19 @@ name                                            type    labels
 ``dynspec_gain_ratio``                          gauge   server, baseline — see below
 ``dynspec_gain_ratio_lower`` / ``_upper``       gauge   server, baseline — its 95 % interval
 ``dynspec_gain_measured_share``                 gauge   server, baseline
+``dynspec_switchback_gain_ratio``               gauge   server — measured (``run --holdout``)
+``dynspec_switchback_gain_ratio_lower`` / ``_upper`` gauge server — its 95 % interval
+``dynspec_switchback_pairs``                    gauge   server — pairs of windows behind it
+``dynspec_switchback_cost_ratio``               gauge   server — goodput the baseline cost
+``dynspec_holdout_active``                      gauge   server — 1 while on the baseline table
 =============================================== ======= =======================================
 
 The gain (:mod:`tuner.gain`) is the table the server runs against ``baseline`` = ``start``
 (the table it started on), ``k0`` and ``always`` (the always-speculate arm), from the
 policy's estimates, each bucket weighted by its decode steps; ``measured_share`` is the
-weight where the policy has seen both arms in that bucket (the rest is its model's).
+weight where the policy has seen both arms in that bucket (the rest is its model's). The
+``switchback`` figures are the experiment's (:mod:`tuner.switchback`): the tuned table against
+the server's starting table in randomised adjacent windows; absent until a pair is complete.
 =============================================== ======= =======================================
 
 The same port answers ``GET /healthz``: 200 with a small JSON body while the loop ticks, 503
@@ -48,6 +55,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -83,6 +91,8 @@ class _ServerState:
     version: int | None = None
     up: bool | None = None
     plugin: bool | None = None
+    switchback: Any = None  # tuner.switchback.SwitchbackGain
+    holdout_active: bool | None = None
     counts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(_COUNTERS, 0.0))
 
 
@@ -155,6 +165,13 @@ class TunerMetrics:
         with self._lock:
             st = self._state(server)
             st.start, st.current = start, current
+
+    def set_switchback(self, server: str, result: Any, *, active: bool) -> None:
+        """The switchback's measured gain (None before its first pair) and whether the
+        server runs its baseline table now."""
+        with self._lock:
+            st = self._state(server)
+            st.switchback, st.holdout_active = result, bool(active)
 
     def record_tick(self, *, history_ok: bool = True) -> None:
         """The loop finished a tick (feeds ``/healthz``)."""
@@ -259,6 +276,7 @@ class TunerMetrics:
         yield from (chosen, goodput, std, steps, version, up, plugin)
         yield from counters.values()
         yield from _gain_families(servers)
+        yield from _switchback_families(servers)
         with self._lock:
             last, extra = self._last_tick, list(self._extra)
         if last is not None:
@@ -288,7 +306,34 @@ class TunerMetrics:
 
 def _copy(s: _ServerState) -> _ServerState:
     return _ServerState(s.snapshot, s.start, s.current, s.version, s.up, s.plugin,
-                        dict(s.counts))
+                        s.switchback, s.holdout_active, dict(s.counts))
+
+
+def _switchback_families(servers: dict[str, _ServerState]) -> Iterator[Metric]:
+    docs = {"gain_ratio": "Measured goodput gain of the tuned table over the starting table "
+                          "(switchback).",
+            "gain_ratio_lower": "Lower end of the switchback gain's 95% interval.",
+            "gain_ratio_upper": "Upper end of the switchback gain's 95% interval.",
+            "pairs": "Pairs of windows behind the switchback gain.",
+            "cost_ratio": "Share of goodput the switchback's baseline windows cost."}
+    fams = {k: GaugeMetricFamily(f"dynspec_switchback_{k}", doc, labels=["server"])
+            for k, doc in docs.items()}
+    active = GaugeMetricFamily("dynspec_holdout_active",
+                               "1 while the server runs its baseline table (switchback).",
+                               labels=["server"])
+    for name in sorted(servers):
+        s = servers[name]
+        if s.holdout_active is not None:
+            active.add_metric([name], 1.0 if s.holdout_active else 0.0)
+        r = s.switchback
+        if r is None:
+            continue
+        for k, v in (("gain_ratio", r.ratio), ("gain_ratio_lower", r.low),
+                     ("gain_ratio_upper", r.high), ("pairs", r.pairs), ("cost_ratio", r.cost)):
+            if math.isfinite(v):
+                fams[k].add_metric([name], v)
+    yield from fams.values()
+    yield active
 
 
 def _gain_families(servers: dict[str, _ServerState]) -> Iterator[Metric]:

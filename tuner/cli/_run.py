@@ -75,6 +75,14 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                    "hourly (default 7d; 12h, 3600 or off; DYNSPEC_ROLLUP_AFTER)")
     p.add_argument("--rollup-bin", dest="rollup_bin_s", metavar="BIN",
                    help="time bin of rolled-up observations (default 1h; DYNSPEC_ROLLUP_BIN)")
+    p.add_argument("--holdout", metavar="SHARE",
+                   help="switchback experiment: in randomised windows the server runs its "
+                   "starting table for SHARE of the time (e.g. 5%%), each paired with an "
+                   "adjacent tuned window, so report and /metrics give the gain *measured*, "
+                   "with a 95%% interval, and what it cost (DYNSPEC_HOLDOUT)")
+    p.add_argument("--holdout-window", dest="holdout_window_s", type=float, metavar="S",
+                   help=f"length of a baseline window and of its tuned pair (default "
+                   f"{c.DEFAULT_HOLDOUT_WINDOW_S:g}; DYNSPEC_HOLDOUT_WINDOW)")
     p.add_argument("--metrics-port", type=int, metavar="N",
                    help="serve the tuner's own Prometheus metrics on this port")
     p.add_argument("--metrics-addr", default=None, metavar="ADDR",
@@ -123,6 +131,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "rollup_after_s": args.rollup_after_s,  # history roll-up
         "rollup_bin_s": args.rollup_bin_s,
+        "holdout": args.holdout,
+        "holdout_window_s": args.holdout_window_s,
     }
     defaults = {"db_url": DEFAULT_SIM_DB_URL} if args.simulate else None
     config = TunerConfig.from_sources(flags, defaults=defaults)
@@ -244,4 +254,9 @@ def _print_simulation(s: object) -> None:
         f"server left on v{s.final_version}: {_fmt_table(s.server_table)} ({s.pushes} pushes)",
         markup=False,
     )
+    if s.switchback is not None:
+        from tuner.report_switchback import switchback_line
+
+        console.print(f"{switchback_line(s.switchback)}; true gain (oracle): "
+                      f"{s.switchback_truth:+.1%}", markup=False)
     console.print(f"history: {s.db_url} ({s.observations:,} observations)", markup=False)

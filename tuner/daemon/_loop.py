@@ -16,6 +16,7 @@ from tuner.client import SGLangClient
 from tuner.config import TunerConfig
 from tuner.daemon._book import _PolicyBook, _PoolPolicy
 from tuner.daemon._history import _Buffer, _HistoryWriter
+from tuner.daemon._holdout import HoldoutState, _Holdout
 from tuner.daemon._push import _Pusher
 from tuner.daemon._records import (
     DEFAULT_MAX_BUFFERED_ROWS,
@@ -35,7 +36,7 @@ __all__ = ["Daemon"]
 log = logging.getLogger("tuner.daemon")  # one logger name for the whole loop
 
 
-class Daemon(_Session, _Pusher, _PolicyBook, _HistoryWriter):
+class Daemon(_Session, _Pusher, _PolicyBook, _HistoryWriter, _Holdout):
     """Runs the tuning loop for every server of ``config``.
 
     Args:
@@ -98,6 +99,12 @@ class Daemon(_Session, _Pusher, _PolicyBook, _HistoryWriter):
         if missing:
             raise ConfigError(f"no client for server {missing[0]}")
         self._servers = [_Server(address=s, client=clients[s]) for s in config.servers]
+        if config.holdout is not None:
+            from tuner.switchback import Schedule
+
+            for i, srv in enumerate(self._servers):  # servers' schedules differ, seeded
+                srv.holdout = HoldoutState(Schedule(config.holdout, config.holdout_window_s,
+                                                    seed=config.seed * 1000 + i))
         self._buffer = _Buffer(max_buffered_rows)
         # One worker per server when there are several: each read has its own timeout and a
         # slow server holds only its own worker.
@@ -206,6 +213,7 @@ class Daemon(_Session, _Pusher, _PolicyBook, _HistoryWriter):
                 or srv.policy is None
             ):
                 continue
+            self._holdout_stop(srv, now)  # a baseline window ends here, like any table
             greedy = srv.policy.greedy()
             if greedy == srv.server_table:
                 continue
@@ -286,8 +294,10 @@ class Daemon(_Session, _Pusher, _PolicyBook, _HistoryWriter):
             snap = srv.policy.snapshot() if srv.policy is not None and not busy else None
             if snap is not None and self.metrics is not None:
                 self.metrics.set_snapshot(srv.address, snap)
-                self.metrics.set_tables(srv.address, start=srv.start_table,
-                                        current=srv.server_table)
+                tuned = srv.server_table
+                if srv.holdout is not None and srv.holdout.active and srv.desired is not None:
+                    tuned = srv.desired  # the gain is the tuned table's, not the holdout's
+                self.metrics.set_tables(srv.address, start=srv.start_table, current=tuned)
             servers.append(
                 ServerStatus(
                     address=srv.address,
@@ -310,8 +320,13 @@ class Daemon(_Session, _Pusher, _PolicyBook, _HistoryWriter):
                     read_only=srv.read_only,
                     pooled=srv.policy.pooled if isinstance(srv.policy, _PoolPolicy) else 0,
                     server_version=srv.server_version,
+                    switchback=srv.holdout.result if srv.holdout is not None else None,
+                    holdout_active=srv.holdout is not None and srv.holdout.active,
                 )
             )
+            if self.metrics is not None and srv.holdout is not None:
+                self.metrics.set_switchback(srv.address, servers[-1].switchback,
+                                            active=servers[-1].holdout_active)
             srv.status = servers[-1]
         self._status = DaemonStatus(
             ts=now,

@@ -47,11 +47,15 @@ class _Pusher:
         srv.interval_goodput = emitted / busy if busy > 0 else math.nan
         if self.metrics is not None and records:
             self.metrics.record_observations(srv.address, len(records))
+        self._holdout_observe(srv, observations, now)
         return used
 
     def _decide(self, srv: _Server, now: float) -> int:
         if srv.mode != "plugin" or srv.policy is None or srv.read_only:
             return 0
+        held = self._holdout_decide(srv, now)  # a baseline window: the experiment decides
+        if held is not None:
+            return held
         due = srv.last_decision is None or now - srv.last_decision >= self.config.decision_period_s
         if not due and not srv.needs_push:
             return 0

@@ -65,6 +65,10 @@ class ServerStatus:
     # The version the server itself runs (last read or applied); ``version`` also counts
     # decisions a dry run only recorded.
     server_version: int | None = None
+    # The switchback (run --holdout): the measured gain so far, and whether the server runs
+    # its baseline table now.
+    switchback: Any = None
+    holdout_active: bool = False
 
 
 @dataclass(frozen=True)
@@ -144,4 +148,5 @@ class _Server:
     policy_error: str | None = None
     future: Future | None = None  # the worker reading this server, while it runs
     status: ServerStatus | None = None  # as last published
+    holdout: Any = None  # the switchback's HoldoutState (run --holdout), else None
 

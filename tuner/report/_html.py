@@ -64,6 +64,10 @@ def render_html(report: Report, plots: dict[str, dict[str, bytes]] | None = None
         from tuner.report_gain import gain_lines
 
         parts.extend(f"<p>{html.escape(line)}</p>" for line in gain_lines(s.gains))
+        if s.switchback is not None:
+            from tuner.report_switchback import switchback_line
+
+            parts.append(f"<p>{html.escape(switchback_line(s.switchback))}</p>")
         for name in PLOT_NAMES:
             data = plots.get(s.server, {}).get(name)
             if data is not None:

@@ -66,6 +66,7 @@ def _server_json(s: ServerReport) -> dict[str, Any]:
         "crossover_b": s.crossover_b,
         "counts": dict(s.counts),
         "gains": _gains_json(s),
+        "switchback": s.switchback.as_dict() if s.switchback is not None else None,
         "buckets": [
             {
                 "bucket": bk.index,

@@ -93,6 +93,10 @@ def _server_text(s: ServerReport, width: int) -> list[str]:
     from tuner.report_gain import gain_lines
 
     out.extend(_clip(line, width) for line in gain_lines(s.gains))
+    if s.switchback is not None:
+        from tuner.report_switchback import switchback_line
+
+        out.append(_clip(switchback_line(s.switchback), width))
     vs_always = f"vs k{s.always_arm}" if s.always_arm is not None else "vs always"
     out.append("")
     out.append(
