@@ -80,13 +80,13 @@ class AcceptanceShape:
     def conditional(self, a: np.ndarray, k: int) -> np.ndarray:
         """Conditional acceptance of positions ``1..k`` for first-position acceptances ``a``
         (any shape; a trailing axis of length ``k`` is added)."""
-        a = np.clip(np.asarray(a, dtype=np.float64), 0.0, 1.0)[..., None]
-        i = np.arange(k, dtype=np.float64)  # i − 1 for positions 1..k
+        a = _unit(np.asarray(a, dtype=np.float64))[..., None]
+        scale, cliff = _position_factors(self, k)
         if self.kind == "rising":
-            return 1.0 - (1.0 - a) * self.rise**i
-        c = a * self.delta**i
-        if self.kind == "horizon":
-            c = c * self.cliff ** np.maximum(i + 1 - self.horizon, 0.0)
+            return 1.0 - (1.0 - a) * scale
+        c = a * scale
+        if cliff is not None:
+            c = c * cliff
         return c
 
     def survival(self, a: np.ndarray | float, k: int) -> np.ndarray:
@@ -95,7 +95,24 @@ class AcceptanceShape:
 
     def drifted(self, a: np.ndarray, progress: np.ndarray) -> np.ndarray:
         """First-position acceptance of requests with base ``a`` at output share ``progress``."""
-        return np.clip(a * (1.0 + self.drift * (progress - 0.5)), 0.0, 1.0)
+        return _unit(a * (1.0 + self.drift * (progress - 0.5)))
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    """``np.clip(x, 0, 1)`` without its dispatch overhead (the engine calls this every step)."""
+    return np.minimum(np.maximum(x, 0.0), 1.0)
+
+
+@lru_cache(maxsize=256)
+def _position_factors(shape: AcceptanceShape, k: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """Per-position factors of :meth:`AcceptanceShape.conditional` for positions ``1..k``:
+    ``rise^(i−1)`` (rising) or ``δ^(i−1)``, and the horizon's cliff factors (else None)."""
+    i = np.arange(k, dtype=np.float64)  # i − 1 for positions 1..k
+    if shape.kind == "rising":
+        return shape.rise**i, None
+    if shape.kind == "horizon":
+        return shape.delta**i, shape.cliff ** np.maximum(i + 1 - shape.horizon, 0.0)
+    return shape.delta**i, None
 
 
 @lru_cache(maxsize=64)
@@ -203,17 +220,20 @@ class ShapedRows:
         """Rows of the first ``n`` requests' drifting ones at their share of output emitted
         (``rem`` tokens still to come)."""
         drift = self._drift[:n]
-        if len(self._shapes) == 1:  # the usual case: one shape for the whole workload
-            groups = [(0, np.flatnonzero(drift))]
+        groups: list[tuple[int, np.ndarray | slice]]
+        if len(self._shapes) == 1:  # the usual case: one shape for the whole workload ...
+            # ... and, drifting, every running request: a slice, no copies.
+            groups = [(0, slice(0, n) if drift.all() else np.flatnonzero(drift))]
         else:
             groups = [(ix, np.flatnonzero(drift & (self._shape[:n] == ix)))
                       for ix in np.unique(self._shape[:n][drift]).tolist()]
         for ix, rows in groups:
             shape = self._shapes[ix]
             a = shape.drifted(self._alpha[rows], 1.0 - rem[rows] / self._out[rows])
-            c = shape.survival(a * self.cold_factor, self.kmax)
-            cold[rows] = c
-            surv[rows] = np.where(stale[rows, None], c, shape.survival(a, self.kmax))
+            # Cold and warm rows in one pass (the same arithmetic, half the calls).
+            both = shape.survival(np.stack([a * self.cold_factor, a]), self.kmax)
+            cold[rows] = both[0]
+            surv[rows] = np.where(stale[rows, None], both[0], both[1])
 
     def compact(self, keep: np.ndarray, n: int) -> None:
         """Drop the finished requests (``keep`` False) from the first ``n`` rows."""
