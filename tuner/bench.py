@@ -52,16 +52,19 @@ from tuner.bench_config import (
     DEFAULT_OPEN_LOOP_S,
     DEFAULT_WARMUP_S,
     SGLANG_REAL,
+    TREE_SKIPS,
     BenchConfig,
     parse_policy_spec,
+    tree_defaults,
 )
 from tuner.bench_targets import TARGETS, TargetCheck, check_targets, summarize_policies
 from tuner.plugin.core import PluginCore
-from tuner.protocol import CounterRow, Table, counter_deltas, encode_update, lookup
+from tuner.protocol import CounterRow, Table, TreeShape, counter_deltas, encode_update, lookup
 from tuner.sim.engine import Engine
 from tuner.sim.load import ClosedLoop, parse_load
 from tuner.sim.oracle import expected_goodput, workload_emitted
 from tuner.sim.profiles import CostProfile, load_profile
+from tuner.sim.tree import TreeArm, tree_goodput
 from tuner.sim.workloads import Workload, get_workload
 from tuner.sim.worlds import World
 
@@ -307,8 +310,9 @@ def _workload_for(name: str, total_s: float) -> Workload:
 
 
 def _build_policy(spec: str, arms: Sequence[int], seed: int, profile: CostProfile,
-                  workload: Workload) -> BasePolicy:
+                  workload: Workload, tree: TreeShape | None = None) -> BasePolicy:
     name, params = parse_policy_spec(spec)
+    params = tree_defaults(name, params, tree)
     if name == "sglang-default" and "alpha" not in params and "mean_accepted" not in params:
         # The arm SGLang's EMA settles on follows from the workload's mean accepted drafts.
         params["mean_accepted"] = tuple(
@@ -333,11 +337,14 @@ def run_one(
     max_running: int | None = None,
     skip_zero_draft_extend: bool = False,
     world: World | None = None,
+    tree: TreeShape | None = None,
 ) -> RunResult:
     """Run one policy through one scenario; see the module docstring for the scoring.
 
     With ``world``, the world's cost profile, traffic and step-time noise replace
-    ``profile`` and ``workload`` (which then only label the run).
+    ``profile`` and ``workload`` (which then only label the run). With ``tree``, the server
+    drafts that tree at its arm ``tree.steps`` (arms 0 and the tree), in the engine and the
+    scoring alike.
     """
     wall0 = time.perf_counter()
     phases = _load_phases(load, duration_s, seed)
@@ -362,8 +369,9 @@ def run_one(
 
         core = _SGLangCore(arms, started_at=0.0, graph_bs=cuda_graph_bs(cap))
     else:
-        core = PluginCore(arms, started_at=0.0)
-        pol = _build_policy(policy, arms, seed, prof, wl)
+        core = PluginCore(arms, started_at=0.0, tree=tree)
+        pol = _build_policy(policy, arms, seed, prof, wl, tree)
+    tree_arm = TreeArm(tree) if tree is not None else None
     engine = Engine(profile=prof, workload=wl, core=core, max_running=cap, seed=seed,
                     load=parse_load(load, seed=seed),
                     skip_zero_draft_extend=skip_zero_draft_extend,
@@ -378,6 +386,8 @@ def run_one(
     def good(b: int, k: int, mix: int, t: float) -> float:
         key = (b, k, mix)
         g = gcache.get(key)
+        if g is None and tree_arm is not None and k == tree_arm.steps:
+            g = gcache[key] = tree_goodput(prof, wl, tree_arm, b, t=t, graph_bs=engine.graph_bs)
         if g is None:
             g = gcache[key] = expected_goodput(
                 prof, wl, b, k, t=t, skip_zero_draft_extend=skip_zero_draft_extend,
@@ -570,7 +580,7 @@ def _run_kwargs(config: BenchConfig) -> dict[str, Any]:
         load=config.load, seed=config.seed, arms=config.arms, interval_s=config.interval_s,
         decision_period_s=config.decision_period_s, warmup_s=config.warmup_s,
         duration_s=config.duration_s, max_running=config.max_running,
-        skip_zero_draft_extend=config.skip_zero_draft_extend,
+        skip_zero_draft_extend=config.skip_zero_draft_extend, tree=config.tree,
     )
 
 
@@ -593,6 +603,12 @@ def run_bench(
             get_workload(w)
     skipped = []
     policies = list(config.policies)
+    if config.tree is not None:
+        for spec in list(policies):
+            why = TREE_SKIPS.get(parse_policy_spec(spec)[0])
+            if why is not None:
+                policies.remove(spec)
+                skipped.append(f"{spec}: {why}")
     if SGLANG_REAL in policies and not sglang_available():
         policies.remove(SGLANG_REAL)
         skipped.append(f"{SGLANG_REAL}: sglang is not importable here")

@@ -11,6 +11,7 @@ from typing import Any
 
 from policies import make_policy
 from tuner.errors import ConfigError
+from tuner.protocol import TreeShape
 from tuner.sim.load import parse_load
 
 __all__ = [
@@ -24,8 +25,10 @@ __all__ = [
     "DEFAULT_OPEN_LOOP_S",
     "DEFAULT_WARMUP_S",
     "SGLANG_REAL",
+    "TREE_SKIPS",
     "BenchConfig",
     "parse_policy_spec",
+    "tree_defaults",
 ]
 
 # Two measured H200 tables (dense, MoE) and two fitted to published figures.
@@ -50,6 +53,12 @@ DEFAULT_WARMUP_S = 30.0
 # Duration of open-loop loads (poisson, trace), which have no phases of their own.
 DEFAULT_OPEN_LOOP_S = 600.0
 SGLANG_REAL = "sglang-real"
+# Policies a tree server cannot run: SGLang's adaptive mode (and so its default table) is
+# top-k 1 only; a tree under the plugin has just the arms 0 and the tree.
+TREE_SKIPS = {
+    SGLANG_REAL: "SGLang's own adaptive mode refuses top-k > 1",
+    "sglang-default": "SGLang's default adaptive config is for chains (top-k 1)",
+}
 
 
 # --- configuration ----------------------------------------------------------------------------
@@ -114,6 +123,10 @@ class BenchConfig:
         duration_s: run length for open-loop loads (closed loops run their schedule once).
         max_running: the running-request cap; default the profile's, else the schedule's peak.
         skip_zero_draft_extend: SGLang's ``SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1``.
+        tree: a tree server (top-k > 1): ``arms`` must be ``(0, tree.steps)``, the arm
+            ``steps`` runs the tree (:mod:`tuner.sim.tree`) and the oracle picks between the
+            two; the policies of :data:`TREE_SKIPS` are skipped, and ``threshold`` switches
+            the tree (its ``k`` defaults to ``tree.steps``), as the seed's patch did.
         jobs: worker processes (default: CPU count).
     """
 
@@ -129,6 +142,7 @@ class BenchConfig:
     duration_s: float | None = None
     max_running: int | None = None
     skip_zero_draft_extend: bool = False
+    tree: TreeShape | None = None
     jobs: int | None = None
 
     def __post_init__(self) -> None:
@@ -147,18 +161,24 @@ class BenchConfig:
             raise ConfigError(f"max_running must be >= 1, got {self.max_running}")
         if self.jobs is not None and self.jobs < 1:
             raise ConfigError(f"jobs must be >= 1, got {self.jobs}")
+        if self.tree is not None and tuple(sorted(set(self.arms))) != (0, self.tree.steps):
+            raise ConfigError(f"a tree server's arms are 0 and its steps {self.tree.steps}, "
+                              f"got {self.arms}")
         for spec in self.policies:
             name, params = parse_policy_spec(spec)
-            if name == SGLANG_REAL:
+            if name == SGLANG_REAL or (self.tree is not None and name in TREE_SKIPS):
                 continue
             try:  # fail before any run starts, naming the policy and parameter
-                make_policy(name, arms=self.arms, **_static_defaults(name, params))
+                make_policy(name, arms=self.arms, **tree_defaults(name, params, self.tree))
             except ValueError as exc:
                 raise ConfigError(f"policy {spec!r}: {exc}") from exc
         parse_load(self.load, seed=self.seed)  # raises ConfigError naming the bad part
 
 
-def _static_defaults(name: str, params: dict[str, Any]) -> dict[str, Any]:
+def tree_defaults(name: str, params: dict[str, Any], tree: TreeShape | None) -> dict[str, Any]:
+    """``params`` with a tree server's defaults: ``threshold`` switches the tree."""
+    if tree is not None and name == "threshold" and "k" not in params:
+        return {**params, "k": tree.steps}
     # sglang-default needs the workload's acceptance, which a run fills in; validation
     # here only checks the rest.
     return params

@@ -27,6 +27,14 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     def csv(text: str) -> tuple[str, ...]:
         return tuple(p.strip() for p in text.split(",") if p.strip())
 
+    def tree_shape(text: str) -> Any:
+        from tuner.sim.tree import parse_tree
+
+        try:
+            return parse_tree(text)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
     def world_range(text: str) -> tuple[int, ...]:
         try:
             return parse_world_range(text)
@@ -75,6 +83,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-running", type=int, default=None, metavar="N")
     p.add_argument("--skip-zero-draft-extend", action="store_true",
                    help="SGLang's SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1 (cold recovery)")
+    p.add_argument("--tree", type=tree_shape, default=None, metavar="KxSxN",
+                   help="score a tree server (top-k K, S steps, N draft tokens, e.g. 4x2x16): "
+                   "arms 0 and the tree, SGLang's own policies skipped")
     p.add_argument("--jobs", type=int, default=None, metavar="N",
                    help="worker processes (default: CPU count)")
     p.add_argument("--json", type=Path, default=None, metavar="OUT",
@@ -98,14 +109,20 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     )
 
     if args.worlds is not None:
+        if args.tree is not None:
+            raise ConfigError("--tree applies to profiles, not to --worlds")
         return _cmd_bench_worlds(args)
+    arms = args.arms or DEFAULT_ARMS
+    if args.tree is not None:
+        if args.arms is not None:
+            raise ConfigError("--tree sets the arms (0 and the tree's steps): drop --arms")
+        arms = (0, args.tree.steps)
     config = BenchConfig(
         profiles=args.profiles or DEFAULT_BENCH_PROFILES,
         workloads=args.workloads or DEFAULT_BENCH_WORKLOADS, load=args.load or DEFAULT_BENCH_LOAD,
-        policies=args.policies or DEFAULT_BENCH_POLICIES, seed=args.seed,
-        arms=args.arms or DEFAULT_ARMS,
+        policies=args.policies or DEFAULT_BENCH_POLICIES, seed=args.seed, arms=arms,
         warmup_s=args.warmup, duration_s=args.duration, max_running=args.max_running,
-        skip_zero_draft_extend=args.skip_zero_draft_extend, jobs=args.jobs,
+        skip_zero_draft_extend=args.skip_zero_draft_extend, tree=args.tree, jobs=args.jobs,
     )
     n = len(config.profiles) * len(config.workloads) * len(config.policies)
     err_console.print(f"bench: {n} runs on {config.jobs or 'all'} cores ...", markup=False)
@@ -126,6 +143,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     for r in result.runs:
         scenarios.setdefault((r.profile, r.workload), []).append(r)
     for (prof, wl), runs in scenarios.items():
+        if config.tree is not None:
+            t = config.tree
+            prof = f"{prof} (tree {t.topk}x{t.steps}x{t.draft_tokens})"
         console.print(f"\n{prof} / {wl} / load {config.load}: % of oracle per load phase, "
                       "after warm-up/including it", markup=False, soft_wrap=True)
         head = ["policy"] + [f"c={ph.concurrency}" if ph.concurrency is not None

@@ -50,7 +50,9 @@ from tuner.sim.workloads import Workload, get_workload
 __all__ = [
     "DEFAULT_TOPK_GAIN",
     "TreeArm",
+    "parse_tree",
     "tree_expected_goodput",
+    "tree_goodput",
     "tree_oracle_table",
     "tree_workload_emitted",
 ]
@@ -156,19 +158,28 @@ def tree_expected_goodput(
     }
 
 
-def tree_workload_emitted(workload: Workload | str, family: str, tree: TreeArm, *,
-                          heterogeneous: bool = True) -> float:  # fmt: skip
+def tree_workload_emitted(
+    workload: Workload | str,
+    family: str,
+    tree: TreeArm,
+    *,
+    t: float | None = None,
+    heterogeneous: bool = True,
+) -> float:
     """Tokens per request per tree step under a workload, weighted per request-step as
-    ``tuner.sim.oracle.workload_emitted`` weights chains (``Σ tokens / Σ steps``), the phases of
-    a shifting workload averaged by duration."""
+    ``tuner.sim.oracle.workload_emitted`` weights chains (``Σ tokens / Σ steps``): the mix in
+    force at virtual time ``t``, or with ``t`` None the phases averaged by duration."""
     from tuner.sim.oracle import _decode_tokens_mean
 
     wl = get_workload(workload) if isinstance(workload, str) else workload
     kappa = wl.kappa if heterogeneous else None
     parts, start = [], 0.0
-    for ph in wl.phases:
-        parts.append((ph.duration_s / wl.period_s, wl.mix_at(start)))
-        start += ph.duration_s
+    if t is not None or wl.stationary:
+        parts.append((1.0, wl.mix_at(0.0 if t is None else t)))
+    else:
+        for ph in wl.phases:
+            parts.append((ph.duration_s / wl.period_s, wl.mix_at(start)))
+            start += ph.duration_s
     total = 0.0
     for pw, mix in parts:
         tokens = steps = 0.0
@@ -180,6 +191,47 @@ def tree_workload_emitted(workload: Workload | str, family: str, tree: TreeArm, 
                                                inverse=True)  # fmt: skip
         total += pw * tokens / steps
     return total
+
+
+def tree_goodput(
+    profile: CostProfile,
+    workload: Workload | str,
+    tree: TreeArm,
+    b: int,
+    *,
+    t: float | None = None,
+    graph_bs: Sequence[int] | None = None,
+) -> float:
+    """Expected emitted tokens per busy second of tree steps of ``b`` requests under a
+    workload: the tree's counterpart of ``tuner.sim.oracle.expected_goodput`` (the bench scores
+    a tree server's arm ``S`` with it)."""
+    padded = pad_batch_size(b, cuda_graph_bs() if graph_bs is None else graph_bs)
+    em = tree_workload_emitted(workload, profile.acceptance, tree, t=t)
+    return b * em / tree.step_s(profile, padded)
+
+
+def parse_tree(text: str) -> TreeShape:
+    """``"KxSxN"`` (top-k, steps, draft tokens; SGLang's ``--speculative-eagle-topk``,
+    ``--speculative-num-steps``, ``--speculative-num-draft-tokens``) -> a :class:`TreeShape`.
+
+    Raises:
+        ConfigError: not three integers joined by ``x``, or not a tree.
+    """
+    from tuner.errors import ConfigError
+    from tuner.protocol import ProtocolError
+
+    parts = text.strip().lower().split("x")
+    try:
+        topk, steps, tokens = (int(p) for p in parts)
+    except ValueError:
+        raise ConfigError(
+            f"tree {text!r}: give TOPKxSTEPSxTOKENS, e.g. 4x2x16 (top-k 4, 2 steps, "
+            f"16 draft tokens)"
+        ) from None
+    try:
+        return TreeShape(topk=topk, steps=steps, draft_tokens=tokens)
+    except ProtocolError as exc:
+        raise ConfigError(f"tree {text!r}: {exc}") from None
 
 
 def tree_oracle_table(
