@@ -12,6 +12,7 @@ import pytest
 
 from policies import BasePolicy, Buckets, Observation, PolicySnapshot, make_policy
 from storage import Storage
+from tests._fakes import FakeClock
 from tuner.client import SGLangClient
 from tuner.config import TunerConfig
 from tuner.daemon import Daemon
@@ -21,17 +22,6 @@ from tuner.plugin.core import PluginCore
 A = "gpu1:30000"
 B = "gpu2:30000"
 ARMS = (0, 1, 3)
-
-
-class FakeClock:
-    def __init__(self, t: float = 1_000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, s: float) -> None:
-        self.t += s
 
 
 class FakeServer:

@@ -5,17 +5,10 @@ from __future__ import annotations
 
 import logging
 
+from tests._fakes import FakeClock
 from tuner.config import TunerConfig
 from tuner.daemon import Daemon
 from tuner.sim.server import SimServer
-
-
-class FakeClock:
-    def __init__(self, t: float = 1_000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def test_a_wrong_key_is_said_once_however_many_tables_are_refused(caplog):

@@ -30,6 +30,7 @@ import pytest
 
 from policies import make_policy
 from storage import Storage
+from tests._fakes import FakeClock, LoopbackSim
 from tuner.cli import main
 from tuner.config import TunerConfig
 from tuner.daemon import Daemon
@@ -41,18 +42,7 @@ NEVER = ((None, 0),)  # the "never" policy's table
 DEFAULT = ((None, 3),)  # what a fresh simulated server runs (SGLang's startup step)
 
 
-class FakeClock:
-    def __init__(self, t: float = 1_000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, s: float) -> None:
-        self.t += s
-
-
-class Sim:
+class Sim(LoopbackSim):
     """A simulated SGLang server on a free loopback port; virtual time moves by :meth:`step`.
 
     Records every ``/server_info`` reading it answered (start time, total decode steps) and
@@ -60,8 +50,7 @@ class Sim:
     """
 
     def __init__(self, *, port: int = 0, load: str = "8") -> None:
-        self.clock = FakeClock(0.0)
-        self.server = SimServer(load=load, speed=1.0, port=port, clock=self.clock, seed=1)
+        super().__init__(load=load, port=port, seed=1)
         self.answered: list[tuple[float, int]] = []
         self.posts: list[dict] = []
         self.versions: list[int] = []  # the server's version after each update
@@ -84,22 +73,9 @@ class Sim:
                 self.versions.append(self.server.core.version)
         return resp
 
-    def __enter__(self) -> Sim:
-        self.server.start()
-        self.addr = f"127.0.0.1:{self.server.port}"
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.stop()
-
     @property
     def faults(self):
         return self.server.faults
-
-    def step(self, s: float = 1.0) -> None:
-        self.clock.advance(s)
-        with self.server.lock:
-            self.server.engine.run_until(self.server.virtual_now())
 
     def table(self):
         with self.server.lock:

@@ -8,40 +8,17 @@ import logging
 import pytest
 
 from storage import Storage
+from tests._fakes import FakeClock, LoopbackSim
 from tuner.config import TunerConfig
 from tuner.daemon import Daemon
 from tuner.errors import ConfigError
-from tuner.sim.server import SimServer
 
 
-class FakeClock:
-    def __init__(self, t: float = 1_000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
-class Sim:
+class Sim(LoopbackSim):
     """A simulated server whose virtual time moves only by :meth:`step`."""
 
     def __init__(self, seed: int, model: str = "sim/llama-3.1-8b-instruct") -> None:
-        self.t = 0.0
-        self.server = SimServer(load="16", speed=1.0, clock=lambda: self.t, seed=seed,
-                                model_name=model)
-
-    def __enter__(self) -> Sim:
-        self.server.start()
-        self.addr = f"127.0.0.1:{self.server.port}"
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.stop()
-
-    def step(self) -> None:
-        self.t += 1.0
-        with self.server.lock:
-            self.server.engine.run_until(self.server.virtual_now())
+        super().__init__(load="16", seed=seed, model_name=model)
 
 
 def daemon(addrs, url: str, clock: FakeClock, **cfg) -> Daemon:

@@ -12,6 +12,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
+from tests._fakes import FakeClock
 from tuner.errors import ConfigError
 from tuner.loadgen import WindowStats
 from tuner.protocol import lookup
@@ -52,14 +53,6 @@ def truth(level: int, arm: int) -> float:
     """
     rel = _REL[min(level, 16)]
     return 100.0 * min(level, 48) ** 0.8 * rel[arm]
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 class FakeMeasurer:
