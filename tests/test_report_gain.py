@@ -53,3 +53,39 @@ def test_the_recorded_starting_table_is_the_baseline(tmp_path):
     text = render_text(report)
     assert "gain over the server's starting table (b<=8:k1 rest:k0):" in text
     assert "gain over k=0 (no speculation):" in text
+
+
+def test_the_interval_comes_from_stretches_of_time_when_errors_drift(tmp_path):
+    """Two arms alternating in long runs while goodput drifts slowly: per-interval errors are
+    strongly autocorrelated, so the delta method's interval is too narrow; the report's
+    (jackknife over stretches of time) is wider, and holds the true gain."""
+    import math
+    import random
+
+    from policies import Buckets
+    from storage import ObservationRecord, PolicyVersionRecord, ServerSeen
+    from tuner.report_gain import server_gains
+
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    rng = random.Random(5)
+    drift, rows = 0.0, []
+    for i in range(2000):
+        drift = 0.995 * drift + 0.02 * rng.gauss(0, 1)  # slow wander of the load's level
+        k = 5 if (i // 50) % 2 else 3  # long runs of one arm
+        rate = 1000 * (1.1 if k == 5 else 1.0) * math.exp(drift)
+        rows.append(ObservationRecord(SERVER, T0 + i, 8, k, 100, int(rate), 50, 100, 1.0))
+    with Storage(url) as st:
+        st.record_tick(
+            servers=[ServerSeen(SERVER, (0, 3, 5), T0, T0 - 10, None, None)],
+            observations=rows,
+            events=[EventRecord(SERVER, T0, "initial_table", "v0 rest:k3")],
+            policy_versions=[PolicyVersionRecord(SERVER, T0, 1, ((None, 5),), "model",
+                                                 "greedy", "applied")],
+        )
+        (s,) = build_report(st).servers
+        delta = {rg.gain.baseline: rg.gain for rg in server_gains(st, s, Buckets())}
+    honest = {rg.gain.baseline: rg.gain for rg in s.gains}
+    d, h = delta["start"], honest["start"]
+    assert h.ratio == pytest.approx(d.ratio)
+    assert h.high - h.low > 2 * (d.high - d.low)
+    assert h.low <= 0.1 <= h.high

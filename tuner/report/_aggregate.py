@@ -396,7 +396,8 @@ def build_report(
         from tuner.report_switchback import server_switchback  # measured: run --holdout
 
         reports[-1] = replace(reports[-1], gains=server_gains(
-            storage, reports[-1], buckets, since=since, until=until),
+            storage, reports[-1], buckets, since=since, until=until,
+            moments=by_server.get(name, ())),
             switchback=server_switchback(storage, name, since=since, until=until))
     return Report(
         generated_at=time.time() if now is None else now,
