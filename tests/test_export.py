@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_report import FINAL_TABLE, SERVER, T0, simulate_history
+from test_report import FINAL_TABLE, SERVER, T0, history  # noqa: F401  (history: a fixture)
 
 from policies import Buckets
 from storage import ObservationRecord, ServerSeen, Storage
@@ -19,13 +19,6 @@ from tuner.export import (
     padding_crossings,
     sglang_adaptive_config,
 )
-
-
-@pytest.fixture(scope="module")
-def history(tmp_path_factory: pytest.TempPathFactory) -> str:
-    url = f"sqlite:///{tmp_path_factory.mktemp('hist') / 'dynspec.db'}"
-    simulate_history(url)
-    return url
 
 
 def test_sglang_file_holds_one_candidate_per_slot(history: str, tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_report import ARMS, FINAL_TABLE, SERVER, T0, simulate_history
+from test_report import ARMS, FINAL_TABLE, SERVER, T0, history  # noqa: F401  (history: a fixture)
 
 from policies import Buckets
 from storage import Storage
@@ -16,13 +16,6 @@ from tuner.errors import ConfigError
 from tuner.export import export, load_sglang_adaptive
 from tuner.plugin import _sglang
 from tuner.protocol import lookup
-
-
-@pytest.fixture(scope="module")
-def history(tmp_path_factory: pytest.TempPathFactory) -> str:
-    url = f"sqlite:///{tmp_path_factory.mktemp('hist') / 'dynspec.db'}"
-    simulate_history(url)
-    return url
 
 
 def test_policy_file_round_trips_into_the_plugin(history: str, tmp_path: Path) -> None:
