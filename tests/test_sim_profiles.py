@@ -216,68 +216,19 @@ def test_bad_table_files_name_file_line_and_field(tmp_path, lines, message):
         load_profile(path)
 
 
+# A valid parametric profile's fields; each bad file below changes or adds one.
+_PARAMETRIC = {"t_o": 1, "t_w": 1, "c_f": 0, "kv_seq": 0, "d_o": 0, "e_o": 0, "v_o": 0, "d_n": 0,
+               "e_n": 0}
+
+
 @pytest.mark.parametrize(
     "obj, message",
     [
         ({"t_w": 1.0}, "lacks field 't_o'"),
-        (
-            {
-                "t_o": 1,
-                "t_w": 1,
-                "c_f": 0,
-                "kv_seq": 0,
-                "d_o": 0,
-                "e_o": 0,
-                "v_o": 0,
-                "d_n": 0,
-                "e_n": 0,
-                "t_q": 3,
-            },
-            "unknown field 't_q'",
-        ),
-        (
-            {
-                "t_o": -1,
-                "t_w": 1,
-                "c_f": 0,
-                "kv_seq": 0,
-                "d_o": 0,
-                "e_o": 0,
-                "v_o": 0,
-                "d_n": 0,
-                "e_n": 0,
-            },
-            "field 't_o' must be a number >= 0",
-        ),
-        (
-            {
-                "t_o": "1",
-                "t_w": 1,
-                "c_f": 0,
-                "kv_seq": 0,
-                "d_o": 0,
-                "e_o": 0,
-                "v_o": 0,
-                "d_n": 0,
-                "e_n": 0,
-            },
-            "field 't_o' must be a number >= 0",
-        ),
-        (
-            {
-                "t_o": 1,
-                "t_w": 1,
-                "c_f": 0,
-                "kv_seq": 0,
-                "d_o": 0,
-                "e_o": 0,
-                "v_o": 0,
-                "d_n": 0,
-                "e_n": 0,
-                "expert_frac": 2,
-            },
-            "field 'expert_frac' must be in",
-        ),
+        ({**_PARAMETRIC, "t_q": 3}, "unknown field 't_q'"),
+        ({**_PARAMETRIC, "t_o": -1}, "field 't_o' must be a number >= 0"),
+        ({**_PARAMETRIC, "t_o": "1"}, "field 't_o' must be a number >= 0"),
+        ({**_PARAMETRIC, "expert_frac": 2}, "field 'expert_frac' must be in"),
     ],
 )
 def test_bad_parametric_files(tmp_path, obj, message):
