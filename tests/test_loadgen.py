@@ -238,27 +238,25 @@ def test_an_unreachable_server_is_a_clear_error():
         run(go())
 
 
-def test_a_reply_without_a_token_count_is_a_clear_error():
-    with CountingServer(reply=lambda n: (200, {"choices": []})) as srv:
+@pytest.mark.parametrize(
+    "reply, error, message",
+    [
+        # A reply without a token count is a clear error.
+        ((200, {"choices": []}), MalformedReplyError, "no usage.completion_tokens"),
+        # A refused API key stops the load and says which flag.
+        ((401, {"detail": "no"}), ServerError, "HTTP 401.*--api-key-file"),
+    ],
+    ids=["no-token-count", "refused-api-key"],
+)
+def test_a_reply_the_load_cannot_use_stops_it_with_a_clear_error(reply, error, message):
+    with CountingServer(reply=lambda n: reply) as srv:
 
         async def go():
             async with ClosedLoop(srv.address, PROMPTS) as load:
                 load.set_concurrency(1)
                 await load.wait_completed(1)
 
-        with pytest.raises(MalformedReplyError, match="no usage.completion_tokens"):
-            run(go())
-
-
-def test_a_refused_api_key_stops_the_load_and_says_which_flag():
-    with CountingServer(reply=lambda n: (401, {"detail": "no"})) as srv:
-
-        async def go():
-            async with ClosedLoop(srv.address, PROMPTS) as load:
-                load.set_concurrency(1)
-                await load.wait_completed(1)
-
-        with pytest.raises(ServerError, match="HTTP 401.*--api-key-file"):
+        with pytest.raises(error, match=message):
             run(go())
 
 
