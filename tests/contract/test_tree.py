@@ -280,3 +280,47 @@ def test_standalone_drafts_pass_the_refusal_and_get_the_controller(sglang_plugin
     params = worker.adaptive_controller.params
     assert isinstance(params, sglang_plugin._RT.policy_class)
     assert params.dynspec.tree == TreeShape(TOPK, STEPS, WIDTH)
+
+
+def test_what_more_tree_shapes_would_take():
+    """Why only [0, S] is offered, and the room SGLang leaves (issue 18, part 1's "more tree
+    shapes"). ``AdaptiveController.init_states`` builds every candidate step not registered
+    yet with ``steps + 1`` draft tokens (``adaptive_runtime_state.py`` line 114, a different
+    shape under top-k > 1), skips any step registered before it (line 108), and keys states by
+    steps alone (one shape per depth); top-k is worker-wide (``EAGLEWorkerV2._override_worker_
+    state`` overrides steps and draft tokens only), so every tree arm shares the server's."""
+    from sglang.srt.speculative import adaptive_runtime_state as ars
+    from sglang.srt.speculative.adaptive_runtime_state import AdaptiveController
+    from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
+
+    src, start = inspect.getsourcelines(AdaptiveController.init_states)
+    lines = {start + i: line.strip() for i, line in enumerate(src)}
+    assert lines[108] == "if steps in self._states:"
+    assert lines[114] == "speculative_num_draft_tokens=steps + 1,"
+    override = inspect.getsource(EAGLEWorkerV2._override_worker_state)
+    assert "speculative_num_draft_tokens=speculative_num_draft_tokens" in override
+    assert "topk" not in override.replace("_rebuild_topk1_chain_buffers", "")
+
+    built: list[tuple[int, int]] = []
+
+    def build(speculative_num_steps, speculative_num_draft_tokens, cuda_graph_bs=None):
+        built.append((speculative_num_steps, speculative_num_draft_tokens))
+        return SpecRuntimeState(speculative_num_steps, speculative_num_draft_tokens, None,
+                                None, object(), None, None, None)
+
+    worker = SimpleNamespace(speculative_num_steps=STEPS, build_adaptive_runtime_state=build,
+                             apply_runtime_state=lambda state: None)
+    policy = asp.AdaptiveSpeculativeParams(initial_steps=STEPS, cfg_path=None)
+    policy.candidate_steps = [0, STEPS, STEPS + 1]
+    controller = ars.AdaptiveController(worker, policy)
+    controller.register(build(STEPS, WIDTH))  # the startup tree, as init_cuda_graphs does
+    controller.register(build(STEPS + 1, 2 * WIDTH))  # a second tree, registered beforehand
+    built.clear()
+    controller.init_states(None)
+    # Only the unregistered candidate is built, with steps + 1 tokens; both trees are kept.
+    assert built == [(0, 1)]
+    widths = {k: s.speculative_num_draft_tokens for k, s in controller._states.items()}
+    assert widths == {0: 1, STEPS: WIDTH, STEPS + 1: 2 * WIDTH}
+    # A second shape of the same depth replaces the first: one tree per depth.
+    controller.register(build(STEPS, 2 * WIDTH))
+    assert controller._states[STEPS].speculative_num_draft_tokens == 2 * WIDTH
