@@ -11,6 +11,7 @@ acceptance to min(1, 1/(V*t)) on a near-uniform target.
 from __future__ import annotations
 
 import torch
+from sgl_kernel.spec_ops import walk_tree
 
 __all__ = [
     "top_k_renorm_prob",
@@ -64,28 +65,22 @@ def tree_speculative_sampling_target_only(
         prob_acc = 0.0
         row = bx * n  # the target distribution after the last accepted node
         coin = coins[bx][0]
-        last = ri[bx][0]
-        accept_index[bx, 0] = last
-        accepted, cur = 0, 0
-        for _ in range(1, steps):
-            cur = rnt[bx][cur]
-            while cur != -1:
-                token = cand[bx][cur]
-                p = float(target[row, token])
-                prob_acc += p
-                if p > 0 and (coin < prob_acc / threshold_acc or p >= threshold_single):
-                    prob_acc = 0.0
-                    row = bx * n + cur
-                    coin = coins[bx][cur]
-                    predicts[last] = token
-                    accepted += 1
-                    accept_index[bx, accepted] = ri[bx][cur]
-                    last = ri[bx][cur]
-                    break
-                draft[row, token] = target[row, token]
-                cur = rns[bx][cur]
-            if cur == -1:
-                break
+
+        def coin_accepts(cur: int, last: int) -> bool:
+            nonlocal prob_acc, row, coin
+            token = cand[bx][cur]
+            p = float(target[row, token])
+            prob_acc += p
+            if p > 0 and (coin < prob_acc / threshold_acc or p >= threshold_single):
+                prob_acc = 0.0
+                row = bx * n + cur
+                coin = coins[bx][cur]
+                predicts[last] = token
+                return True
+            draft[row, token] = target[row, token]
+            return False
+
+        accepted, last = walk_tree(bx, steps, accept_index, ri, rnt, rns, coin_accepts)
         accept_token_num[bx] = accepted
         q = target[row].float()
         if accepted != steps - 1:  # there are no draft probs for the bonus position

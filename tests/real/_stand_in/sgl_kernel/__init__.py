@@ -11,32 +11,12 @@ from __future__ import annotations
 
 import torch
 
+from sgl_kernel import spec_ops
 from sgl_kernel.attention import decode_attention_cpu, extend_attention_cpu
-from sgl_kernel.spec_ops import (
-    assign_draft_cache_locs_contiguous_cpu,
-    assign_extend_cache_locs_cpu,
-    assign_req_to_token_pool_cpu,
-    build_draft_decode_metadata_cpu,
-    build_tree_kernel_efficient_cpu,
-    copy_all_layer_kv_cache_cpu,
-    fill_accept_out_cache_loc_cpu,
-    fill_bonus_tokens_cpu,
-    verify_tree_greedy_cpu,
-)
+from sgl_kernel.spec_ops import *  # noqa: F403  (the speculative ops, listed in spec_ops)
 
-__all__ = [
-    "assign_draft_cache_locs_contiguous_cpu",
-    "assign_extend_cache_locs_cpu",
-    "assign_req_to_token_pool_cpu",
-    "build_draft_decode_metadata_cpu",
-    "build_tree_kernel_efficient_cpu",
-    "copy_all_layer_kv_cache_cpu",
-    "decode_attention_cpu",
-    "extend_attention_cpu",
-    "fill_accept_out_cache_loc_cpu",
-    "fill_bonus_tokens_cpu",
-    "verify_tree_greedy_cpu",
-]
+__all__ = ["decode_attention_cpu", "extend_attention_cpu"]
+__all__ += spec_ops.__all__
 
 
 class MissingOpError(NotImplementedError):

@@ -179,6 +179,30 @@ def build_tree_kernel_efficient_cpu(
         mask_base += (seq_len + n) * n
 
 
+def walk_tree(bx, steps, accept_index, retrive_index, next_token, next_sibling, accept_node):
+    """Request ``bx``'s verify walk, as upstream's greedy and sampled kernels both do it: from
+    the root, level by level, try the children in sibling order and follow the first that
+    ``accept_node(cur, last)`` takes (``last``: the pool index of the last accepted node); stop
+    at a level where none is taken. Fills ``accept_index[bx]``; returns ``(accepted, last)``.
+    """
+    ri, rnt, rns = retrive_index[bx], next_token[bx], next_sibling[bx]
+    last = ri[0]
+    accept_index[bx, 0] = last
+    accepted, cur = 0, 0
+    for _ in range(1, steps):
+        cur = rnt[cur]
+        while cur != -1:
+            if accept_node(cur, last):
+                accepted += 1
+                accept_index[bx, accepted] = ri[cur]
+                last = ri[cur]
+                break
+            cur = rns[cur]
+        if cur == -1:
+            break
+    return accepted, last
+
+
 def verify_tree_greedy_cpu(
     predicts,
     accept_index,
@@ -201,21 +225,14 @@ def verify_tree_greedy_cpu(
                                                retrive_next_sibling))  # fmt: skip
     target = target_predict.reshape(-1).tolist()
     for bx in range(bs):
-        last = ri[bx][0]
-        accept_index[bx, 0] = last
-        accepted, cur = 0, 0
-        for _ in range(1, steps):
-            cur = rnt[bx][cur]
-            while cur != -1:
-                if cand[bx][cur] == target[last]:
-                    predicts[last] = target[last]
-                    accepted += 1
-                    accept_index[bx, accepted] = ri[bx][cur]
-                    last = ri[bx][cur]
-                    break
-                cur = rns[bx][cur]
-            if cur == -1:
-                break
+
+        def matches(cur: int, last: int, row=cand[bx]) -> bool:
+            if row[cur] != target[last]:
+                return False
+            predicts[last] = target[last]
+            return True
+
+        accepted, last = walk_tree(bx, steps, accept_index, ri, rnt, rns, matches)
         accept_token_num[bx] = accepted
         predicts[last] = target[last]
 
