@@ -151,3 +151,61 @@ def test_kubernetes_example_runs_the_tuner_as_a_sidecar_with_valid_arguments():
     config = next(d for d in docs if d["kind"] == "ConfigMap")
     assert json.loads(config["data"]["adaptive.json"]) == {"1": {"candidate_steps": [0, 1, 3, 5]}}
     assert pod["terminationGracePeriodSeconds"] >= 30
+
+
+def _dockerfile_env(text: str) -> dict[str, str]:
+    joined = re.sub(r"\\\n\s*", " ", text)
+    env: dict[str, str] = {}
+    for line in joined.splitlines():
+        if line.startswith("ENV "):
+            for item in shlex.split(line[4:]):
+                key, _, value = item.partition("=")
+                env[key] = value
+    return env
+
+
+def test_the_containers_command_runs_healthchecks_and_stops_cleanly(tmp_path):
+    """No image builder runs here (no Docker daemon, no registry for the base image), so this
+    runs what the image would: its ENTRYPOINT + CMD with its ENV (the history path moved
+    from the volume to tmp_path, the metrics port to a free one) against a loopback simulated
+    server, then the HEALTHCHECK's own command, then `docker stop`'s SIGTERM."""
+    import signal
+    import socket
+    import time
+
+    from tests._fakes import LoopbackSim
+
+    text = DOCKERFILE.read_text()
+    entry = json.loads(re.search(r"^ENTRYPOINT (\[.*\])$", text, re.M).group(1))
+    cmd = json.loads(re.search(r"^CMD (\[.*\])$", text, re.M).group(1))
+    health = re.search(r"^\s*CMD (python -c .*)$", text, re.M).group(1)
+    env = _dockerfile_env(text)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    argv = [port if a == "9464" else a for a in entry + cmd]
+    env["DYNSPEC_DB"] = env["DYNSPEC_DB"].replace("/var/lib/dynspec-tuner", str(tmp_path))
+    with LoopbackSim() as sim:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tuner.cli", *argv[1:]],
+            env={**os.environ, **env, "DYNSPEC_SERVERS": sim.addr},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+        )
+        try:
+            probe = shlex.split(health.replace("9464", port))
+            probe[0] = sys.executable
+            deadline = time.monotonic() + 60
+            while True:  # the first tick: /healthz answers 503 until then
+                ok = subprocess.run(probe, capture_output=True).returncode == 0
+                if ok or time.monotonic() > deadline or proc.poll() is not None:
+                    break
+            assert ok, "the HEALTHCHECK command never passed"
+            proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 0, err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert lines and all(json.loads(x)["level"] for x in lines)  # --log-format json
+    assert (tmp_path / "dynspec.db").exists()
