@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from storage import Storage
+from tests._imports import heavy_imports
 from tuner.cli import main
 from tuner.config import DEFAULT_SERVER, TunerConfig
 from tuner.errors import ConfigError
@@ -137,9 +138,5 @@ def test_every_help_page_renders(argv, capsys):
 
 def test_building_the_cli_imports_neither_optuna_nor_sqlalchemy():
     # --help stays fast, and `calibrate --shape` runs where only torch and rich are installed.
-    code = (
-        "import sys, tuner.cli; tuner.cli.build_parser(); "
-        "print(sorted({m.split('.')[0] for m in sys.modules} & {'optuna', 'sqlalchemy'}))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    statement = "import tuner.cli; tuner.cli.build_parser()"
+    assert heavy_imports(statement, ("optuna", "sqlalchemy")) == []

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from tests._imports import heavy_imports
 from tuner import policyfile
 from tuner.cli import main
 from tuner.plugin import _sglang
@@ -26,12 +27,7 @@ HEAVY = ("sglang", "torch", "numpy", "optuna", "sqlalchemy", "httpx", "msgspec")
 
 
 def test_importing_the_plugin_imports_nothing_heavy():
-    code = (
-        "import sys, tuner.plugin; "
-        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r})))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    assert heavy_imports("import tuner.plugin", HEAVY) == []
 
 
 def test_register_without_sglang_logs_and_returns():

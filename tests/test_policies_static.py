@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from policies import (
@@ -15,6 +12,7 @@ from policies import (
     sglang_settled_arm,
     sglang_static_table,
 )
+from tests._imports import heavy_imports
 
 ARMS = (0, 1, 3, 5, 7)
 
@@ -119,9 +117,5 @@ def test_optuna_rejects_a_bad_storage_url():
 
 
 def test_import_policies_stays_light():
-    code = (
-        "import sys, policies; heavy = {'optuna', 'sqlalchemy', 'tuner', 'storage', 'httpx'};"
-        "print(sorted(m for m in heavy if m in sys.modules))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    heavy = ("optuna", "sqlalchemy", "tuner", "storage", "httpx")
+    assert heavy_imports("import policies", heavy) == []
