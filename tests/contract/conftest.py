@@ -15,49 +15,16 @@ import os
 
 import pytest
 
-REQUIRE = os.environ.get("DYNSPEC_REQUIRE_CONTRACT") == "1"
+from tests._no_skip import NoSkips
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _ours(path: object) -> bool:
-    return str(path).startswith(HERE)
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    outcome = yield
-    report = outcome.get_result()
-    if REQUIRE and report.skipped and _ours(item.path):
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
-        report.outcome = "failed"
-        report.longrepr = f"skipped under DYNSPEC_REQUIRE_CONTRACT=1: {reason}"
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_make_collect_report(collector):
-    outcome = yield
-    report = outcome.get_result()
-    # A module-level importorskip skips at collection, before any test report exists.
-    if REQUIRE and report.skipped and _ours(getattr(collector, "path", "")):
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
-        report.outcome = "failed"
-        report.longrepr = f"skipped under DYNSPEC_REQUIRE_CONTRACT=1: {reason}"
-
-
-def pytest_sessionfinish(session, exitstatus):
-    if not REQUIRE or exitstatus != 0:
-        return
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    root = session.config.rootpath
-    passed = [
-        r
-        for r in (reporter.stats.get("passed", []) if reporter else [])
-        if _ours(root / r.nodeid.split("::")[0])
-    ]
-    if not passed:
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
-        if reporter:
-            reporter.write_line("DYNSPEC_REQUIRE_CONTRACT=1 but no contract test passed", red=True)
+def pytest_configure(config):
+    config.pluginmanager.register(
+        NoSkips(HERE, "DYNSPEC_REQUIRE_CONTRACT", "contract test", let_xfail=False),
+        "dynspec-no-skips-contract",
+    )
 
 
 @pytest.fixture(scope="session")

@@ -20,48 +20,17 @@ import pytest
 
 from _server import HERE, RealServer, ServerSpec, need_server_env  # this folder is on sys.path
 
-REQUIRE = os.environ.get("DYNSPEC_REQUIRE_REAL") == "1"
+from tests._no_skip import NoSkips
+
 RESULTS = Path(os.environ.get("DYNSPEC_REAL_RESULTS", HERE.parents[1] / "benchmarks" / "results"))
 
 
-def _ours(path: object) -> bool:
-    return str(path).startswith(str(HERE))
-
-
-def _fail_skips(report, where: str) -> None:
+def pytest_configure(config):
     # An xfail is a reported known failure, not a skip: it stays visible as one.
-    if REQUIRE and report.skipped and not hasattr(report, "wasxfail") and _ours(where):
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
-        report.outcome = "failed"
-        report.longrepr = f"skipped under DYNSPEC_REQUIRE_REAL=1: {reason}"
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    outcome = yield
-    _fail_skips(outcome.get_result(), item.path)
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_make_collect_report(collector):
-    outcome = yield
-    _fail_skips(outcome.get_result(), getattr(collector, "path", ""))
-
-
-def pytest_sessionfinish(session, exitstatus):
-    if not REQUIRE or exitstatus != 0:
-        return
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    root = session.config.rootpath
-    passed = [
-        r
-        for r in (reporter.stats.get("passed", []) if reporter else [])
-        if _ours(root / r.nodeid.split("::")[0])
-    ]
-    if not passed:
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
-        if reporter:
-            reporter.write_line("DYNSPEC_REQUIRE_REAL=1 but no real-server test passed", red=True)
+    config.pluginmanager.register(
+        NoSkips(HERE, "DYNSPEC_REQUIRE_REAL", "real-server test", let_xfail=True),
+        "dynspec-no-skips-real",
+    )
 
 
 @pytest.fixture(scope="session")
