@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from tuner.calibrate import _shapes
 from tuner.calibrate._fit import (
     DEFAULT_DRAFT_RATIO,
     DEFAULT_MIN_STEPS,
@@ -37,18 +38,7 @@ from tuner.calibrate._grid import (
     CalibrationSettings,
 )
 from tuner.calibrate._moe import expected_experts, touched_experts
-from tuner.calibrate._shapes import (
-    DEFAULT_DRAFT_VOCAB,
-    KIMI_K2,
-    LLAMA3_8B,
-    MIXTRAL_8X7B,
-    QWEN25_32B,
-    QWEN3_30B_A3B,
-    SHAPES,
-    ModelShape,
-    resolve_shape,
-    shape_from_mapping,
-)
+from tuner.calibrate._shapes import *  # noqa: F403  (the model shapes, listed in _shapes)
 from tuner.calibrate._table import CalibrationTable, CostRow, read_table, write_table
 
 if TYPE_CHECKING:
@@ -58,36 +48,27 @@ __all__ = [
     "DEFAULT_BATCH_SIZES",
     "DEFAULT_CTX",
     "DEFAULT_DRAFT_RATIO",
-    "DEFAULT_DRAFT_VOCAB",
     "DEFAULT_DTYPE",
     "DEFAULT_MIN_STEPS",
     "DEFAULT_REPLAYS",
     "DEFAULT_TOKENS_PER_SEQ",
     "DEFAULT_WARMUP",
     "DTYPES",
-    "KIMI_K2",
-    "LLAMA3_8B",
-    "MIXTRAL_8X7B",
-    "QWEN25_32B",
-    "QWEN3_30B_A3B",
-    "SHAPES",
     "CalibrationGrid",
     "CalibrationSettings",
     "CalibrationTable",
     "CostRow",
     "FitResult",
-    "ModelShape",
     "StepCell",
     "expected_experts",
     "fit_from_storage",
     "fit_observations",
     "measure",
     "read_table",
-    "resolve_shape",
-    "shape_from_mapping",
     "touched_experts",
     "write_table",
 ]
+__all__ += _shapes.__all__
 
 
 def measure(*args: Any, **kwargs: Any) -> CalibrationResult:
