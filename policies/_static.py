@@ -18,6 +18,7 @@ import math
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from policies._acceptance import expected_accepted
 from policies._base import (
@@ -157,6 +158,17 @@ def _require_arm(name: str, value: object) -> None:
         raise ValueError(f"{name} must be an int >= 0, got {value!r}")
 
 
+class _ParamsPolicy(StaticPolicy):
+    """A static policy whose table its parameters (a ``params_class`` instance) make."""
+
+    params_class: type
+
+    def __init__(self, *, arms: Iterable[int], buckets: Buckets | None = None, seed: int = 0,
+                 params: Any = None) -> None:
+        self.params = params or self.params_class()
+        super().__init__(arms=arms, buckets=buckets, seed=seed)
+
+
 class NeverPolicy(StaticPolicy):
     """No drafting anywhere (name ``"never"``); needs arm 0."""
 
@@ -176,16 +188,11 @@ class AlwaysParams:
         _require_arm("k", self.k)
 
 
-class AlwaysPolicy(StaticPolicy):
+class AlwaysPolicy(_ParamsPolicy):
     """One arm everywhere (name ``"always"``)."""
 
     name = "always"
     params_class = AlwaysParams
-
-    def __init__(self, *, arms: Iterable[int], buckets: Buckets | None = None, seed: int = 0,
-                 params: AlwaysParams | None = None) -> None:
-        self.params = params or AlwaysParams()
-        super().__init__(arms=arms, buckets=buckets, seed=seed)
 
     def _make_table(self) -> Table:
         return ((None, self.params.k),)
@@ -205,16 +212,11 @@ class ThresholdParams:
             raise ValueError(f"max_batch must be an int >= 1, got {self.max_batch!r}")
 
 
-class ThresholdPolicy(StaticPolicy):
+class ThresholdPolicy(_ParamsPolicy):
     """Fixed ``k`` up to ``max_batch``, no drafting above (name ``"threshold"``)."""
 
     name = "threshold"
     params_class = ThresholdParams
-
-    def __init__(self, *, arms: Iterable[int], buckets: Buckets | None = None, seed: int = 0,
-                 params: ThresholdParams | None = None) -> None:
-        self.params = params or ThresholdParams()
-        super().__init__(arms=arms, buckets=buckets, seed=seed)
 
     def _make_table(self) -> Table:
         return ((self.params.max_batch, self.params.k), (None, 0))
@@ -236,16 +238,11 @@ class TableParams:
         object.__setattr__(self, "table", rows)
 
 
-class TablePolicy(StaticPolicy):
+class TablePolicy(_ParamsPolicy):
     """Any fixed table (name ``"table"``)."""
 
     name = "table"
     params_class = TableParams
-
-    def __init__(self, *, arms: Iterable[int], buckets: Buckets | None = None, seed: int = 0,
-                 params: TableParams | None = None) -> None:
-        self.params = params or TableParams()
-        super().__init__(arms=arms, buckets=buckets, seed=seed)
 
     def _make_table(self) -> Table:
         return self.params.table
@@ -409,16 +406,11 @@ class SGLangDefaultParams:
         return None
 
 
-class SGLangDefaultPolicy(StaticPolicy):
+class SGLangDefaultPolicy(_ParamsPolicy):
     """SGLang 0.5.23's default adaptive table, settled for a workload (``"sglang-default"``)."""
 
     name = "sglang-default"
     params_class = SGLangDefaultParams
-
-    def __init__(self, *, arms: Iterable[int], buckets: Buckets | None = None, seed: int = 0,
-                 params: SGLangDefaultParams | None = None) -> None:
-        self.params = params or SGLangDefaultParams()
-        super().__init__(arms=arms, buckets=buckets, seed=seed)
 
     def _make_table(self) -> Table:
         p = self.params
