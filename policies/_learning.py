@@ -24,6 +24,7 @@ __all__ = [
     "DEFAULT_EXPLORE_ALLOWANCE_STEPS",
     "DEFAULT_EXPLORE_BUDGET",
     "DEFAULT_GUARD_MARGIN",
+    "DEFAULT_GUARD_MEMORY_S",
     "DEFAULT_GUARD_MIN_STEPS",
     "DEFAULT_GUARD_Z",
     "DEFAULT_MEMORY_STEPS",
@@ -63,6 +64,9 @@ DEFAULT_GUARD_MIN_STEPS = 50.0
 # ... judged on recent measurements only (this memory, in decode steps of the bucket): an
 # arm measured before the workload changed is no evidence against one measured after.
 DEFAULT_GUARD_MEMORY_STEPS = 2_000.0
+# ... and in busy seconds of the bucket, whichever forgets faster: a server that runs a few
+# decode steps a second (a CPU server) would otherwise judge on minutes-old measurements.
+DEFAULT_GUARD_MEMORY_S = 30.0
 # At most this fraction of a bucket's (discounted) decode steps off its greedy arm. The first
 # dwell of an arm never run in the bucket is free, and so are the bucket's first
 # DEFAULT_EXPLORE_ALLOWANCE_STEPS steps: none by default, since decode steps come at very
@@ -101,6 +105,7 @@ class LearnerParams:
         guard_z: z-score the guardrail needs.
         guard_min_steps: discounted steps both arms need before the guardrail judges.
         guard_memory_steps: memory of the measurements the guardrail judges on.
+        guard_memory_s: ... the same in busy seconds of the bucket (the shorter one counts).
         explore_budget: cap on the fraction of a bucket's decode steps off its greedy arm.
         explore_allowance_steps: a bucket's first steps, free of the budget (warm-up).
         borrow_sd: drift per bucket of an arm's gap to the best, when a bucket that has not
@@ -120,6 +125,7 @@ class LearnerParams:
     guard_z: float = DEFAULT_GUARD_Z
     guard_min_steps: float = DEFAULT_GUARD_MIN_STEPS
     guard_memory_steps: float = DEFAULT_GUARD_MEMORY_STEPS
+    guard_memory_s: float = DEFAULT_GUARD_MEMORY_S
     explore_budget: float = DEFAULT_EXPLORE_BUDGET
     explore_allowance_steps: int = DEFAULT_EXPLORE_ALLOWANCE_STEPS
     borrow_sd: float = DEFAULT_BORROW_SD
@@ -154,6 +160,8 @@ class LearnerParams:
             _require(0 <= value < math.inf, name, ">= 0 and finite", value)
         _require(1 <= self.guard_memory_steps < math.inf, "guard_memory_steps",
                  ">= 1 and finite", self.guard_memory_steps)
+        _require(self.guard_memory_s > 0, "guard_memory_s", "positive (or inf)",
+                 self.guard_memory_s)
         _require(0 <= self.explore_budget <= 1, "explore_budget", "in [0, 1]",
                  self.explore_budget)
 
@@ -242,7 +250,7 @@ class LearningPolicy(BasePolicy):
         factor = self._gamma**s
         for arm_stats in st.stats.values():
             arm_stats.decay(factor)
-        recent = self._guard_gamma**s
+        recent = min(self._guard_gamma**s, math.exp(-obs.busy_s / p.guard_memory_s))
         for arm_stats in st.recent.values():
             arm_stats.decay(recent)
         if st.steps >= p.explore_allowance_steps:

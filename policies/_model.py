@@ -39,6 +39,7 @@ from policies._steptime import (
 __all__ = [
     "DEFAULT_ACCEPTANCE_CORR",
     "DEFAULT_ACCEPTANCE_MEMORY_REQUEST_STEPS",
+    "DEFAULT_ACCEPTANCE_MEMORY_S",
     "DEFAULT_ACCEPTANCE_MEMORY_STEPS",
     "DEFAULT_CHAIN_DELTA",
     "ModelParams",
@@ -50,6 +51,10 @@ __all__ = [
 # is scarce) and within a few seconds at hundreds.
 DEFAULT_ACCEPTANCE_MEMORY_REQUEST_STEPS = 100_000.0
 DEFAULT_ACCEPTANCE_MEMORY_STEPS = 5_000.0
+# ... and in busy seconds, whichever forgets faster: what the two above mean at a GPU's
+# step rate. A server that runs a few decode steps a second (a CPU server) would otherwise
+# remember the old acceptance for many minutes.
+DEFAULT_ACCEPTANCE_MEMORY_S = 30.0
 # Request-steps per independent acceptance sample. A request keeps its α for its whole life,
 # so request-steps are not independent; but requests differ far less (α ~ Beta, κ ≈ 20)
 # than single steps do, and 30 matches the spread of per-window means in the simulator.
@@ -74,6 +79,7 @@ class ModelParams(LearnerParams):
     Attributes:
         acceptance_memory_request_steps: memory of the acceptance estimate, in request-steps.
         acceptance_memory_steps: ... and in decode steps (both discount).
+        acceptance_memory_s: ... and in busy seconds (the shortest of the three counts).
         acceptance_corr: request-steps per independent acceptance sample (>= 1).
         chain_delta: per-position decay δ of the chain model, in (0, 1].
         sample_scale: posterior draws are scaled by this.
@@ -87,6 +93,7 @@ class ModelParams(LearnerParams):
 
     acceptance_memory_request_steps: float = DEFAULT_ACCEPTANCE_MEMORY_REQUEST_STEPS
     acceptance_memory_steps: float = DEFAULT_ACCEPTANCE_MEMORY_STEPS
+    acceptance_memory_s: float = DEFAULT_ACCEPTANCE_MEMORY_S
     acceptance_corr: float = DEFAULT_ACCEPTANCE_CORR
     chain_delta: float = DEFAULT_CHAIN_DELTA
     sample_scale: float = DEFAULT_MODEL_SAMPLE_SCALE
@@ -99,6 +106,8 @@ class ModelParams(LearnerParams):
         super().__post_init__()
         for name in ("acceptance_memory_request_steps", "acceptance_memory_steps"):
             _require(getattr(self, name) >= 1, name, ">= 1 (or inf)", getattr(self, name))
+        _require(self.acceptance_memory_s > 0, "acceptance_memory_s", "positive (or inf)",
+                 self.acceptance_memory_s)
         _require(1 <= self.acceptance_corr < math.inf, "acceptance_corr", ">= 1 and finite",
                  self.acceptance_corr)
         _require(0 < self.chain_delta <= 1, "chain_delta", "in (0, 1]", self.chain_delta)
@@ -160,6 +169,7 @@ class ModelPolicy(LearningPolicy):
             # rules out.
             req_steps = s * obs.b
             f = self._acc_gamma_rs**req_steps * self._acc_gamma_s**s
+            f = min(f, math.exp(-obs.busy_s / self.params.acceptance_memory_s))
             fast = _FAST_GAMMA**s
             for acc, quick in zip(self._acc.values(), self._acc_fast.values(), strict=True):
                 acc[0] *= f
