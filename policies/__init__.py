@@ -8,17 +8,9 @@ switching cost, dwell, guardrail and exploration budget (:class:`LearnerParams`)
 
 from __future__ import annotations
 
+from policies import _base
 from policies._acceptance import expected_accepted, expected_emitted
-from policies._base import (
-    DEFAULT_BUCKET_EDGES,
-    ArmEstimate,
-    BasePolicy,
-    Buckets,
-    Observation,
-    PolicySnapshot,
-    Table,
-    table_from_arms,
-)
+from policies._base import *  # noqa: F403  (the policy interface, listed in _base)
 from policies._guard import GuardVerdict, guard_check
 from policies._learning import LearnerParams, LearningPolicy
 from policies._model import ModelParams, ModelPolicy
@@ -45,31 +37,24 @@ from policies._thompson import ThompsonParams, ThompsonPolicy
 from policies._ucb import UCBParams, UCBPolicy
 
 __all__ = [
-    "DEFAULT_BUCKET_EDGES",
     "DEFAULT_POLICY",
     "DEFAULT_SGLANG_SLOTS",
     "POLICIES",
     "SGLANG_DEFAULT_CUDA_GRAPH_BS",
     "AlwaysParams",
     "AlwaysPolicy",
-    "ArmEstimate",
     "ArmStats",
-    "BasePolicy",
-    "Buckets",
     "GuardVerdict",
     "LearnerParams",
     "LearningPolicy",
     "ModelParams",
     "ModelPolicy",
     "NeverPolicy",
-    "Observation",
     "OptunaParams",
     "OptunaPolicy",
-    "PolicySnapshot",
     "SGLangDefaultParams",
     "SGLangDefaultPolicy",
     "StaticPolicy",
-    "Table",
     "TableParams",
     "TablePolicy",
     "ThompsonParams",
@@ -84,7 +69,7 @@ __all__ = [
     "make_policy",
     "policy_parameters",
     "reward",
-    "table_from_arms",
     "sglang_settled_arm",
     "sglang_static_table",
 ]
+__all__ += _base.__all__
