@@ -31,6 +31,8 @@ REASON = (
 )
 
 VOCAB = 2000
+# Every server this process created, for the tier's cost summary (conftest).
+STARTED: list[RealServer] = []
 START_TIMEOUT_S = float(os.environ.get("DYNSPEC_REAL_START_TIMEOUT", "240"))
 ARMS = (0, 1, 3)
 
@@ -140,6 +142,13 @@ class RealServer:
         self.proc: subprocess.Popen | None = None
         self.log_path = spec.workdir / f"server-{spec.port}.log"
         self._starts = 0
+        self._spawned_at = 0.0
+        # What the tier's summary reports: seconds each start took until /health answered,
+        # and CPU seconds its processes used (read from /proc before each kill).
+        self.start_s: list[float] = []
+        self.cpu_s = 0.0
+        self.leader_cpu_s = 0.0  # also in the parent's RUSAGE_CHILDREN once reaped
+        STARTED.append(self)
 
     @property
     def address(self) -> str:
@@ -169,6 +178,9 @@ class RealServer:
             "--prefill-attention-backend", "intel_amx", "--decode-attention-backend", "intel_amx",
             "--speculative-draft-attention-backend", "intel_amx",
             "--disable-cuda-graph", "--enable-metrics",
+            # An idle scheduler otherwise polls its sockets in a busy loop, a core each: with
+            # it, servers the tier keeps for later tests cost nothing while they wait.
+            "--sleep-on-idle",
             "--max-running-requests", str(spec.max_running),
             "--max-total-tokens", "8192", "--context-length", "1024",
         ]  # fmt: skip
@@ -196,6 +208,11 @@ class RealServer:
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> RealServer:
         """Start and wait for ``/health``; raise with the log's tail if it dies or hangs."""
+        return self.spawn().wait_ready(timeout_s)
+
+    def spawn(self) -> RealServer:
+        """Launch the process group without waiting (:meth:`wait_ready` waits): servers that
+        start together share the cores while each spends most of its start in one process."""
         self.spec.workdir.mkdir(parents=True, exist_ok=True)
         self._starts += 1
         log = open(self.log_path, "ab")  # noqa: SIM115 (kept open for the child)
@@ -206,9 +223,15 @@ class RealServer:
             stdin=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
         log.close()
-        deadline = time.monotonic() + timeout_s
+        self._spawned_at = time.monotonic()
+        return self
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> RealServer:
+        assert self.proc is not None, "spawn() first"
+        deadline = self._spawned_at + timeout_s
         while time.monotonic() < deadline:
             if self.healthy():
+                self.start_s.append(time.monotonic() - self._spawned_at)
                 return self
             try:  # waits on the child: wakes at once if it exits
                 code = self.proc.wait(timeout=0.5)
@@ -229,6 +252,9 @@ class RealServer:
         """Signal the whole process group (server, scheduler, detokenizer) and reap it."""
         if self.proc is None:
             return
+        total, leader = group_cpu_s(self.proc.pid)
+        self.cpu_s += total
+        self.leader_cpu_s += leader
         try:
             os.killpg(self.proc.pid, sig)
         except ProcessLookupError:
@@ -263,6 +289,24 @@ class RealServer:
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+
+def group_cpu_s(pgid: int) -> tuple[float, float]:
+    """User + system CPU seconds of the live processes of process group ``pgid`` (Linux):
+    all of them, and its leader's."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = leader = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[2]) == pgid:  # fields from the state on: pgrp is the third
+            used = int(fields[11]) + int(fields[12])  # utime, stime
+            total += used
+            leader += used if int(pid) == pgid else 0
+    return total / tick, leader / tick
 
 
 # --- HTTP -------------------------------------------------------------------------------

@@ -4,15 +4,18 @@ Run it with ``scripts/real-sglang.sh`` (builds the environment, runs this folder
 these tests skip, saying how to run them; with ``DYNSPEC_REQUIRE_REAL=1`` (the script, CI)
 any skip or collection skip here is a failure, and so is a run in which none passed.
 
-Servers are expensive (about 40 s to start on 2 cores), so tests share them: one session-wide
+Servers are expensive (about 40 CPU-seconds to start), so tests share them: one session-wide
 plugin server (:func:`plugin_server`) for everything that does not need its own flags; the
-others are started by :func:`servers` and all of them are killed (process group, SIGKILL)
-when the session ends, whatever happened.
+others are started by :func:`servers` (``servers.spawn`` launches one without waiting, so a
+module can start two at once) and all of them are killed (process group, SIGKILL) when their
+module or the session ends, whatever happened. The session ends with a summary line: server
+starts, the seconds spent waiting for them, and CPU seconds (servers, tests, daemons).
 """
 
 from __future__ import annotations
 
 import os
+import resource
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -45,8 +48,8 @@ _SHARED = {"plugin"}  # session-wide servers; any other belongs to the module th
 
 @pytest.fixture(scope="module", autouse=True)
 def _module_servers() -> Iterator[None]:
-    """Servers a module started for itself stop when it ends: an idle SGLang scheduler still
-    keeps a core busy, and two cores cannot carry four of them while later modules measure."""
+    """Servers a module started for itself stop when it ends (about 2.6 GB each; idle, with
+    ``--sleep-on-idle``, they cost no CPU)."""
     before = len(_STARTED)
     yield
     for name, server in _STARTED[before:]:
@@ -54,23 +57,63 @@ def _module_servers() -> Iterator[None]:
             server.kill()
 
 
+class Servers:
+    """``servers(name, **spec fields) -> RealServer`` started and healthy;
+    ``servers.spawn(name, **fields)`` launches it without waiting, and a later
+    ``servers(name)`` waits for that one. Every server is killed at session end (the shared
+    ones) or at the end of the module that launched it (the others)."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self._spawned: dict[str, RealServer] = {}
+
+    def spawn(self, name: str, **fields) -> RealServer:
+        server = RealServer(ServerSpec(workdir=self.workdir / name, **fields))
+        _STARTED.append((name, server))
+        self._spawned[name] = server.spawn()
+        return server
+
+    def __call__(self, name: str, **fields) -> RealServer:
+        server = self._spawned.pop(name, None)
+        if server is None or server.proc is None:  # not launched, or its module ended
+            server = self.spawn(name, **fields)
+            self._spawned.pop(name)
+        elif fields:
+            raise ValueError(f"server {name!r} was spawned already; fields go to spawn()")
+        return server.wait_ready()
+
+
 @pytest.fixture(scope="session")
-def servers(workdir) -> Iterator[Callable[..., RealServer]]:
-    """``start(name, **spec fields) -> RealServer``; every server is killed at session end
-    (the shared ones) or at the end of the module that started it (the others)."""
+def servers(workdir) -> Iterator[Servers]:
     need_server_env()
     first = len(_STARTED)
-
-    def start(name: str, **fields) -> RealServer:
-        server = RealServer(ServerSpec(workdir=workdir / name, **fields))
-        _STARTED.append((name, server))
-        return server.start()
-
     try:
-        yield start
+        yield Servers(workdir)
     finally:
         for _, server in _STARTED[first:]:
             server.kill()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """What the tier cost: server starts, time waiting for them, CPU seconds."""
+    import _server
+
+    if not _server.STARTED:
+        return
+    for server in _server.STARTED:  # all dead by now (their fixtures ended): a no-op
+        server.kill()
+    starts = [s for server in _server.STARTED for s in server.start_s]
+    server_cpu = sum(server.cpu_s for server in _server.STARTED)
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)  # daemons, CLI runs, server leaders
+    rest = (own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+            - sum(server.leader_cpu_s for server in _server.STARTED))
+    names = ", ".join(f"{s.spec.workdir.name} x{len(s.start_s)}" for s in _server.STARTED)
+    terminalreporter.write_line(
+        f"real servers: {len(starts)} starts ({names}); {sum(starts):.0f} s from launch to "
+        f"healthy, summed (longest {max(starts, default=0):.0f} s); CPU {server_cpu:.0f} s "
+        f"in servers + {rest:.0f} s in tests, daemons and CLI runs"
+    )
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,10 @@ from _server import ARMS, generate, readout
 from tuner.protocol import DynspecState, counter_deltas
 
 
+def settle(url: str) -> None:
+    generate(url, 1, max_new_tokens=1, seed=99)
+
+
 def test_readout_is_live_with_the_configured_arms(plugin_server):
     state = DynspecState.from_json(readout(plugin_server.url))
     assert state.hooks_live, "the plugin's hooks are not live in the scheduler"
@@ -21,12 +25,17 @@ def test_counters_per_batch_size_and_arm_match_the_requests_sent(plugin_server):
     url = plugin_server.url
     for k, n, max_new in ((1, 3, 12), (3, 2, 16), (0, 4, 10)):
         pin(url, k)
+        # The plugin commits a decode step when the next forward launches. A prefill-only
+        # request (one token: a forward with no decode step of its own) commits whatever step
+        # is still pending, here one left by an earlier test on this shared server, so that
+        # every step counted below holds the burst's requests, and after the burst it
+        # commits the burst's last step. That step has no duration (the scheduler idled
+        # before the next forward: SGLang's after_idle_gap), so it counts as untimed.
+        settle(url)
         untimed_before = readout(url)["untimed_steps"]
         before = counters(url)
         outs = generate(url, n, max_new_tokens=max_new, seed=k)
-        # The plugin commits a step when the next forward launches; a prefill-only request
-        # (one token, no decode step of its own) settles the burst's last one.
-        generate(url, 1, max_new_tokens=1, seed=99)
+        settle(url)
         deltas = counter_deltas(before, counters(url))
         assert deltas is not None
         untimed = readout(url)["untimed_steps"] - untimed_before
@@ -37,9 +46,11 @@ def test_counters_per_batch_size_and_arm_match_the_requests_sent(plugin_server):
         assert all(1 <= d.b <= n for d in deltas)
         assert all(d.busy_s > 0 for d in deltas)
         assert sum(d.drafted_tokens for d in deltas) == k * sum(d.decode_steps * d.b for d in deltas)
-        # SGLang's own per-request verify passes and accepted drafts, summed, are the plugin's
-        # steps x b and accepted drafts, except for the burst's last step: nothing followed it
-        # at once, so it has no duration and the plugin counts it in untimed_steps only.
+        # SGLang counts every verify pass of a request (spec_verify_ct) and its accepted drafts,
+        # so their sums over the burst are the plugin's steps x b and accepted drafts, except
+        # for untimed steps (counted in untimed_steps only): the burst's last one always, and
+        # any whose gap to the next forward exceeded MAX_STEP_GAP_S (a loaded machine). Each
+        # untimed step holds between 1 and n of the burst's requests.
         verifies = sum(m["spec_verify_ct"] for m in meta)
         correct = sum(m["spec_num_correct_drafts"] for m in meta)
         timed = sum(d.decode_steps * d.b for d in deltas)
