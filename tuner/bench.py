@@ -588,6 +588,31 @@ def _run_star(kw: dict[str, Any]) -> RunResult:
     return run_one(**kw)
 
 
+def _run_jobs(
+    jobs: list[dict[str, Any]],
+    workers: int | None,
+    progress: Callable[[RunResult], None] | None,
+) -> list[RunResult]:
+    """:func:`run_one` of every job, in the jobs' order: here, one at a time, when one worker
+    (of ``workers``, default the CPU count) is enough, else in a pool of processes.
+    ``progress`` sees each result as it comes."""
+    n_jobs = min(workers or os.cpu_count() or 1, len(jobs))
+    runs: list[RunResult] = []
+    if n_jobs <= 1:
+        for kw in jobs:
+            r = run_one(**kw)
+            runs.append(r)
+            if progress:
+                progress(r)
+    else:
+        with ProcessPoolExecutor(max_workers=n_jobs) as pool:
+            for r in pool.map(_run_star, jobs):
+                runs.append(r)
+                if progress:
+                    progress(r)
+    return runs
+
+
 def run_bench(
     config: BenchConfig, *, progress: Callable[[RunResult], None] | None = None
 ) -> BenchResult:
@@ -618,20 +643,7 @@ def run_bench(
         for p in config.profiles for w in config.workloads for pol in policies
     ]
     t0 = time.perf_counter()
-    n_jobs = min(config.jobs or os.cpu_count() or 1, len(jobs))
-    runs: list[RunResult] = []
-    if n_jobs <= 1:
-        for kw in jobs:
-            r = run_one(**kw)
-            runs.append(r)
-            if progress:
-                progress(r)
-    else:
-        with ProcessPoolExecutor(max_workers=n_jobs) as pool:
-            for r in pool.map(_run_star, jobs):
-                runs.append(r)
-                if progress:
-                    progress(r)
+    runs = _run_jobs(jobs, config.jobs, progress)
     result = BenchResult(config=config, runs=tuple(runs), skipped=tuple(skipped),
                          wall_s=time.perf_counter() - t0)
     return BenchResult(config=config, runs=result.runs, skipped=result.skipped,

@@ -16,11 +16,9 @@ Choose constants on one range of worlds and report on another (``--worlds 0-49``
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -32,9 +30,9 @@ from tuner.bench import (
     BenchConfig,
     RunResult,
     TargetCheck,
+    _run_jobs,
     _run_json,
     parse_policy_spec,
-    run_one,
     sglang_available,
 )
 from tuner.errors import ConfigError
@@ -221,10 +219,6 @@ def _worst(r: RunResult) -> float:
     return min(vals, default=math.nan)
 
 
-def _run_star(kw: dict[str, Any]) -> RunResult:
-    return run_one(**kw)
-
-
 def run_worlds(
     config: WorldBenchConfig, *, progress: Callable[[RunResult], None] | None = None
 ) -> WorldBenchResult:
@@ -243,19 +237,7 @@ def run_worlds(
         for w in worlds for pol in policies
     ]
     t0 = time.perf_counter()
-    n_jobs = min(config.jobs or os.cpu_count() or 1, len(jobs))
-    runs: list[RunResult] = []
-    if n_jobs <= 1:
-        for kw in jobs:
-            runs.append(run_one(**kw))
-            if progress:
-                progress(runs[-1])
-    else:
-        with ProcessPoolExecutor(max_workers=n_jobs) as pool:
-            for r in pool.map(_run_star, jobs):
-                runs.append(r)
-                if progress:
-                    progress(r)
+    runs = _run_jobs(jobs, config.jobs, progress)
     return WorldBenchResult(config=config, worlds=worlds, runs=tuple(runs),
                             skipped=tuple(skipped), wall_s=time.perf_counter() - t0)
 
