@@ -4,9 +4,10 @@ Runs the tier's own ``_stand_in/sitecustomize.py`` (Python imports one ``sitecus
 widens SGLang's dummy weights in memory to +-``DYNSPEC_DUMMY_RANGE`` with SGLang's own seed:
 at its default +-1e-3 the tiny model ignores attention, so a wrong tree mask would still give
 identical tokens and a losslessness test would have no power. With
-``DYNSPEC_BREAK_TREE_MASK=1`` the stand-in's extend attention ignores SGLang's tree mask (causal
-among the draft tokens instead), the fault the losslessness test must catch. No SGLang file
-changes.
+``DYNSPEC_BREAK_TREE_MASK_FILE`` naming a path, the stand-in's extend attention ignores SGLang's
+tree mask (causal among the draft tokens instead) while that file exists: the fault the
+losslessness test must catch, switched at run time so it needs no server of its own. No SGLang
+file changes.
 """
 
 from __future__ import annotations
@@ -37,9 +38,12 @@ def _widen(module) -> None:
 
 def _break_mask(module) -> None:
     original = module.extend_visibility
+    flag = os.environ["DYNSPEC_BREAK_TREE_MASK_FILE"]
 
     def extend_visibility(prefix_len, extend_len, *, is_causal=True, mask_rows=None):
-        return original(prefix_len, extend_len, is_causal=is_causal, mask_rows=None)
+        if os.path.exists(flag):  # one stat per call: cheap beside the attention itself
+            mask_rows = None
+        return original(prefix_len, extend_len, is_causal=is_causal, mask_rows=mask_rows)
 
     module.extend_visibility = extend_visibility
 
@@ -67,5 +71,5 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
 
 if os.environ.get("DYNSPEC_DUMMY_RANGE"):
     sys.meta_path.insert(0, _PatchAfterImport(_LOADER, _widen))
-if os.environ.get("DYNSPEC_BREAK_TREE_MASK") == "1":
+if os.environ.get("DYNSPEC_BREAK_TREE_MASK_FILE"):
     sys.meta_path.insert(0, _PatchAfterImport(_ATTENTION, _break_mask))
