@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 
+from tuner.sim._running import RunningRows
 from tuner.sim.engine import Engine
 from tuner.sim.load import ClosedLoop
 from tuner.sim.profiles import list_profiles
@@ -26,10 +27,14 @@ from tuner.sim.profiles import list_profiles
 BUDGET_S_PER_HOUR = 60.0
 
 
-class _ScalarEngine(Engine):
-    """Baseline: the same engine with the acceptance draws done request by request in Python."""
+class _ScalarRows(RunningRows):
+    """Baseline: the acceptance draws done request by request in Python."""
 
-    def _accept(self, n: int, k: int) -> np.ndarray:
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self._py_rng = random.Random(0)
+
+    def _draw(self, n: int, k: int) -> np.ndarray:
         surv = self._surv
         draw = self._py_rng.random
         out = np.zeros(n, dtype=np.int64)
@@ -41,9 +46,11 @@ class _ScalarEngine(Engine):
             out[i] = a
         return out
 
-    def __init__(self, **kw) -> None:
-        super().__init__(**kw)
-        self._py_rng = random.Random(0)
+
+class _ScalarEngine(Engine):
+    """Baseline: the same engine with :class:`_ScalarRows`."""
+
+    _rows_class = _ScalarRows
 
 
 def _run(cls: type[Engine], profile: str, hours: float, conc: int = 64) -> tuple[float, Engine]:

@@ -58,22 +58,26 @@ class RunningRows:
         return bool((self.rem[n0 : n0 + m] <= 0).any())
 
     def draft_step(self, n: int, k: int) -> int:
-        """The first ``n`` requests run a step at arm ``k`` > 0; returns the drafts accepted.
-
-        One uniform per request against its survival row: the count of positions it clears
-        is a draw of its accepted length.
-        """
+        """The first ``n`` requests run a step at arm ``k`` > 0; returns the drafts accepted."""
         if self._shaped.drifting:
             self._shaped.refresh(n, self.rem, self._surv, self._cold, self._stale)
-        u = self._rng.random(n)
-        surv = self._surv[:n, :k]
-        if self._tree is not None and k == self._tree.steps:
-            surv = self._tree.lift_survival(surv)
-        acc = (u[:, None] < surv).sum(axis=1)
+        acc = self._draw(n, k)
         rem = self.rem[:n]
         rem -= acc
         rem -= 1
         return int(acc.sum())
+
+    def _draw(self, n: int, k: int) -> np.ndarray:
+        """Accepted drafts of each of the first ``n`` requests in one step at arm ``k``.
+
+        One uniform per request against its survival row ``P(A >= i)``: the count of
+        positions it clears is a draw of its accepted length.
+        """
+        u = self._rng.random(n)
+        surv = self._surv[:n, :k]
+        if self._tree is not None and k == self._tree.steps:
+            surv = self._tree.lift_survival(surv)
+        return (u[:, None] < surv).sum(axis=1)
 
     def plain_step(self, n: int, skip_draft_extend: bool) -> None:
         """The first ``n`` requests run a step at arm 0; with the draft extend skipped they

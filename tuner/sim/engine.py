@@ -104,6 +104,9 @@ class Engine:
         ProfileRangeError: the profile cannot cost a batch the engine may run.
     """
 
+    # The running requests' rows; benchmarks/sim_speed.py swaps in a per-request baseline.
+    _rows_class: type[RunningRows] = RunningRows
+
     def __init__(
         self,
         *,
@@ -170,7 +173,7 @@ class Engine:
         )
         self._pad = self._costs.pad
         kmax = max(max(self.arms), 1)
-        self._rows = RunningRows(
+        self._rows = self._rows_class(
             self.max_running, kmax, self.cold_factor, tree, np.random.default_rng(acc_ss)
         )
 
