@@ -12,11 +12,13 @@ Intervals. The delta method (:mod:`tuner.gain`) treats every sampling interval a
 but a server's load, batch-size mix and acceptance drift slowly, so neighbouring intervals
 share most of their error and that interval is too narrow (on the simulator it held the true
 gain in 2 of 4 runs). Given the report's time-binned sums, the interval is instead a
-delete-a-group jackknife over ``JACKKNIFE_GROUPS`` contiguous stretches of time: the whole
-estimate (measured goodputs, the model's fill-ins and the weights) is recomputed without each
-stretch in turn, and the half-width is ``t(G−1)`` times the jackknife's standard error, or the
-delta method's where that is wider. Stretches many intervals long carry the autocorrelation
-inside them, which is what makes the error honest.
+delete-a-group jackknife over ``JACKKNIFE_GROUPS`` contiguous stretches of time: the estimate
+(measured goodputs and weights) is recomputed without each stretch in turn, and the half-width
+is ``t(G−1)`` times the jackknife's standard error, or the delta method's where that is wider.
+Stretches many intervals long carry the autocorrelation inside them, which is what makes the
+error honest. The model's fill-ins are not refitted per stretch (the model policy recomputes
+its posterior on every observation: about a second per fit); they keep the whole window's
+values, so a mostly modelled gain (often "over k=0") has the model's own interval.
 """
 
 from __future__ import annotations
@@ -131,8 +133,10 @@ def _sums(moments) -> list[_Sum]:  # noqa: ANN001
             for (b, k), v in sorted(acc.items())]
 
 
-def _jackknife(s: ServerReport, moments, buckets: Buckets, table, bases, always):  # noqa: ANN001
-    """Per baseline, the gains recomputed without each contiguous stretch of time."""
+def _jackknife(s: ServerReport, moments, buckets: Buckets, table, bases, always,  # noqa: ANN001
+               model) -> dict[str, list[float]]:
+    """Per baseline, the gains recomputed without each contiguous stretch of time (the
+    model's fill-ins as fitted on the whole window)."""
     bins = sorted({m.bin for m in moments})
     if len(bins) < JACKKNIFE_GROUPS:
         return {}
@@ -142,7 +146,7 @@ def _jackknife(s: ServerReport, moments, buckets: Buckets, table, bases, always)
         kept = [m for m in moments if group[m.bin] != g]
         rs = summarize(server=s.server, arms=s.arms, moments=kept, buckets=buckets,
                        always=always)
-        values = _values(rs, _model_values(_sums(kept), rs, buckets))
+        values = _values(rs, model)
         for name, base in bases.items():
             rg = estimate_gain(name, values, table, base)
             if rg is not None and math.isfinite(rg.ratio):
@@ -185,7 +189,8 @@ def server_gains(
         return ()
     sums = (_sums(moments) if moments is not None
             else storage.aggregate(server=s.server, since=since, until=until))
-    values = _values(s, _model_values(sums, s, buckets))
+    model = _model_values(sums, s, buckets)
+    values = _values(s, model)
     start = _start_table(storage, s.server, until)
     assumed = start is None
     if start is None:  # SGLang starts on the middle candidate step, union[len // 2]
@@ -197,7 +202,7 @@ def server_gains(
     always = s.always_arm if s.always_arm is not None else always_arm(s.arms)
     if always is not None:
         bases["always"] = ((None, always),)
-    jack = (_jackknife(s, moments, buckets, table, bases, s.always_arm)
+    jack = (_jackknife(s, moments, buckets, table, bases, s.always_arm, model)
             if moments is not None else {})
     out = []
     for name, base in bases.items():
