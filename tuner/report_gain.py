@@ -16,9 +16,11 @@ delete-a-group jackknife over ``JACKKNIFE_GROUPS`` contiguous stretches of time:
 (measured goodputs and weights) is recomputed without each stretch in turn, and the half-width
 is ``t(G−1)`` times the jackknife's standard error, or the delta method's where that is wider.
 Stretches many intervals long carry the autocorrelation inside them, which is what makes the
-error honest. The model's fill-ins are not refitted per stretch (the model policy recomputes
-its posterior on every observation: about a second per fit); they keep the whole window's
-values, so a mostly modelled gain (often "over k=0") has the model's own interval.
+error honest. The model is refitted without a stretch only when leaving it out turns a
+measured goodput the gain uses into a modelled one (the model policy recomputes its
+posterior on every observation: about a second per fit); otherwise the fill-ins keep the
+whole window's values, so a mostly modelled gain (often "over k=0") has the model's own
+interval.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from policies import Buckets, Observation, make_policy
-from tuner.gain import Z95, ArmValue, BucketValues, Gain, estimate_gain
+from tuner.gain import Z95, ArmValue, BucketValues, Gain, estimate_gain, table_arm
 from tuner.report import ServerReport, always_arm, summarize
 from tuner.switchback import t975
 
@@ -136,7 +138,7 @@ def _sums(moments) -> list[_Sum]:  # noqa: ANN001
 def _jackknife(s: ServerReport, moments, buckets: Buckets, table, bases, always,  # noqa: ANN001
                model) -> dict[str, list[float]]:
     """Per baseline, the gains recomputed without each contiguous stretch of time (the
-    model's fill-ins as fitted on the whole window)."""
+    model refitted only where a used measurement drops out; see the module docstring)."""
     bins = sorted({m.bin for m in moments})
     if len(bins) < JACKKNIFE_GROUPS:
         return {}
@@ -147,11 +149,27 @@ def _jackknife(s: ServerReport, moments, buckets: Buckets, table, bases, always,
         rs = summarize(server=s.server, arms=s.arms, moments=kept, buckets=buckets,
                        always=always)
         values = _values(rs, model)
+        if _lost_measurement(_values(s, model), values, table, bases):
+            values = _values(rs, _model_values(_sums(kept), rs, buckets))
         for name, base in bases.items():
             rg = estimate_gain(name, values, table, base)
             if rg is not None and math.isfinite(rg.ratio):
                 out[name].append(rg.ratio)
     return out
+
+
+def _lost_measurement(full: Sequence[BucketValues], part: Sequence[BucketValues], table,
+                      bases) -> bool:  # noqa: ANN001
+    """A goodput the gains use (the table's arm or a baseline's, per bucket) is measured on
+    the whole window but not without the stretch."""
+    for f, p in zip(full, part, strict=True):
+        if f.weight <= 0:
+            continue
+        for arm in {table_arm(table, f.high), *(table_arm(b, f.high) for b in bases.values())}:
+            was, now = f.arms.get(arm), p.arms.get(arm)
+            if was is not None and was.measured and (now is None or not now.measured):
+                return True
+    return False
 
 
 def _widen(g: Gain, replicates: Sequence[float]) -> Gain:
