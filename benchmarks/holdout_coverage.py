@@ -16,9 +16,10 @@ seeds the simulator, the policy and the schedule; nothing here is tuned on these
 
     .venv/bin/python benchmarks/holdout_coverage.py --seeds 0-19 --jobs 2
 
-Figures (benchmarks/results/holdout-coverage-*.txt, 100 seeds each, 5 % in 5 s windows):
-600 simulated s (median 6 pairs), seeds 0-99: switchback 94/100, observational 100/100;
-1800 simulated s (median 17 pairs), seeds 100-199: switchback 98/100, observational 99/100.
+Figures (benchmarks/results/holdout-coverage-*.txt, 100 seeds each, 5 % in 5 s windows, on
+two states of the tree): 600 simulated s (median 6 pairs), seeds 0-99: switchback 94 and
+97 of 100, observational 100 and 100; 1800 simulated s (median 17 pairs), seeds 100-199:
+switchback 98 and 99, observational 99 and 94 (docs/commands.md, "run", says which code).
 """
 
 from __future__ import annotations
