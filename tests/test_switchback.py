@@ -200,3 +200,25 @@ def test_bad_holdout_settings_are_one_line_and_exit_2(argv, message, capsys):
     assert main(["run", "--server", "127.0.0.1:1", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_status_lines_show_the_switchback():
+    from tuner.daemon import DaemonStatus, ServerStatus
+    from tuner.status import status_lines
+    from tuner.switchback import SwitchbackGain
+
+    def status(**kw):
+        st = ServerStatus(address="a:1", mode="plugin", up=True, arms=(0, 3), version=2,
+                          server_table=((None, 3),), snapshot=None, last_push=None,
+                          last_error=None, down_since=None, observations=1, decode_steps=10,
+                          interval_goodput=100.0, pushes=1, restarts=0, **kw)
+        return DaemonStatus(ts=0.0, ticks=1, policy="model", dry_run=False, servers=(st,),
+                            storage_ok=True, buffered_rows=0, dropped_rows=0)
+
+    (plain,) = status_lines(status())
+    assert "switchback" not in plain
+    (waiting,) = status_lines(status(holdout_active=True))
+    assert "switchback: on the baseline table now" in waiting
+    r = SwitchbackGain(0.031, 0.004, 0.058, 7, 0.05, 0.0015, 0.0028)
+    (line,) = status_lines(status(switchback=r))
+    assert "switchback: measured gain +3.1% [+0.4%, +5.8%] from 7 pairs, cost 0.15%" in line

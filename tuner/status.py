@@ -100,6 +100,9 @@ def _server_header(st: ServerStatus, now: float) -> Text:
         t.append(f"  runs v{runs}")
     t.append(f"  pushes {st.pushes}  restarts {st.restarts}")
     t.append(f"  steps {st.decode_steps:,}  now {_tok_s(st.interval_goodput)} tok/s")
+    sb = _switchback(st)
+    if sb:
+        t.append(f"\n  {sb}", style="magenta" if st.holdout_active else None)
     if st.last_push is not None:
         p = st.last_push
         t.append(f"\n  last push v{p.version} {_ago(now, p.ts)}: {format_table(p.table)} "
@@ -187,12 +190,25 @@ def status_lines(status: DaemonStatus, proc: ProcessStats | None = None) -> list
         runs = ("?" if st.server_table is None
                 else f"v{st.server_version if st.server_version is not None else st.version} "
                 f"{format_table(st.server_table)}")
+        sb = _switchback(st)
         lines.append(
             f"{st.address} {st.mode} runs {runs} | greedy {greedy or '-'} | "
             f"{rate}, {st.decode_steps:,} steps, "
-            f"{st.pushes} pushes, {st.restarts} restarts{own}{hist}"
+            f"{st.pushes} pushes, {st.restarts} restarts{' | ' + sb if sb else ''}{own}{hist}"
         )
     return lines
+
+
+def _switchback(st: ServerStatus) -> str:
+    """The switchback's state (run --holdout): empty without the experiment."""
+    now = "on the baseline table now" if st.holdout_active else ""
+    r = st.switchback
+    if r is None:
+        return f"switchback: {now}" if now else ""
+    hi = f"{r.high:+.1%}" if math.isfinite(r.high) else "+inf"
+    lo = f"{r.low:+.1%}" if math.isfinite(r.low) else "-inf"
+    return (f"switchback: measured gain {r.ratio:+.1%} [{lo}, {hi}] from {r.pairs} pairs, "
+            f"cost {r.cost:.2%}{'; ' + now if now else ''}")
 
 
 def _greedy(st: ServerStatus) -> str | None:
