@@ -176,6 +176,10 @@ def test_report_and_metrics_show_the_measured_gain(tmp_path):
         report = build_report(st)
     text = render_text(report)
     assert "measured gain over the server's starting table (switchback," in text
+    lines = text.splitlines()
+    first = next(x for x in lines if "(switchback," in x)
+    assert first.endswith("]") and "…" not in first  # whole, not clipped to the width
+    assert any(x.startswith("  the baseline ran") and x.endswith("of goodput") for x in lines)
     doc = report_to_json(report)["servers"][0]["switchback"]
     assert doc["pairs"] == s.switchback.pairs
     assert doc["ratio"] == pytest.approx(s.switchback.ratio, abs=1e-4)

@@ -21,7 +21,7 @@ from tuner.switchback import Pair, SwitchbackGain, estimate
 if TYPE_CHECKING:
     from storage import Storage
 
-__all__ = ["read_pairs", "server_switchback", "switchback_line", "true_gain"]
+__all__ = ["read_pairs", "server_switchback", "switchback_lines", "true_gain"]
 
 log = logging.getLogger(__name__)
 _EPS = 1e-6
@@ -61,13 +61,14 @@ def server_switchback(storage: Storage, server: str, *, since: float | None = No
     return estimate(pairs, all_tokens=tokens, all_busy_s=busy)
 
 
-def switchback_line(r: SwitchbackGain) -> str:
-    """One line for the text and HTML reports."""
+def switchback_lines(r: SwitchbackGain) -> list[str]:
+    """Two lines (each under 100 columns) for the text and HTML reports."""
     hi = f"{r.high:+.1%}" if math.isfinite(r.high) else "+inf"
     lo = f"{r.low:+.1%}" if math.isfinite(r.low) else "-inf"
-    return (f"measured gain over the server's starting table (switchback, {r.pairs} pairs of "
-            f"windows): {r.ratio:+.1%} [{lo}, {hi}]; the baseline ran {r.base_share:.1%} of "
-            f"the busy time and cost {r.cost:.2%} of goodput")
+    return [f"measured gain over the server's starting table (switchback, {r.pairs} pairs): "
+            f"{r.ratio:+.1%} [{lo}, {hi}]",
+            f"  the baseline ran {r.base_share:.1%} of the busy time and cost {r.cost:.2%} of "
+            "goodput"]
 
 
 def true_gain(

@@ -255,8 +255,9 @@ def _print_simulation(s: object) -> None:
         markup=False,
     )
     if s.switchback is not None:
-        from tuner.report_switchback import switchback_line
+        from tuner.report_switchback import switchback_lines
 
-        console.print(f"{switchback_line(s.switchback)}; true gain (oracle): "
-                      f"{s.switchback_truth:+.1%}", markup=False)
+        first, second = switchback_lines(s.switchback)
+        console.print(f"{first}; true gain (oracle) {s.switchback_truth:+.1%}\n{second}",
+                      markup=False)
     console.print(f"history: {s.db_url} ({s.observations:,} observations)", markup=False)

@@ -65,9 +65,9 @@ def render_html(report: Report, plots: dict[str, dict[str, bytes]] | None = None
 
         parts.extend(f"<p>{html.escape(line)}</p>" for line in gain_lines(s.gains))
         if s.switchback is not None:
-            from tuner.report_switchback import switchback_line
+            from tuner.report_switchback import switchback_lines
 
-            parts.append(f"<p>{html.escape(switchback_line(s.switchback))}</p>")
+            parts.append(f"<p>{html.escape(' '.join(switchback_lines(s.switchback)))}</p>")
         for name in PLOT_NAMES:
             data = plots.get(s.server, {}).get(name)
             if data is not None:

@@ -94,9 +94,9 @@ def _server_text(s: ServerReport, width: int) -> list[str]:
 
     out.extend(_clip(line, width) for line in gain_lines(s.gains))
     if s.switchback is not None:
-        from tuner.report_switchback import switchback_line
+        from tuner.report_switchback import switchback_lines
 
-        out.append(_clip(switchback_line(s.switchback), width))
+        out.extend(_clip(line, width) for line in switchback_lines(s.switchback))
     vs_always = f"vs k{s.always_arm}" if s.always_arm is not None else "vs always"
     out.append("")
     out.append(
