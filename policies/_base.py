@@ -12,6 +12,7 @@ import math
 from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "DEFAULT_BUCKET_EDGES",
@@ -21,6 +22,7 @@ __all__ = [
     "Observation",
     "PolicySnapshot",
     "Table",
+    "sum_by_arm",
     "table_from_arms",
 ]
 
@@ -102,6 +104,22 @@ class Observation:
             # Every request gets at least its bonus token in every step.
             return "fewer emitted tokens than decode steps"
         return None
+
+
+def sum_by_arm(rows: Iterable[Any]) -> list[Observation]:
+    """Per-``(b, k)`` sums of counter rows (anything with :class:`Observation`'s fields: DP
+    replicas' counter deltas, stored rows of several time bins), in ``(b, k)`` order; a
+    ``(b, k)`` without decode steps is left out."""
+    acc: dict[tuple[int, int], list[float]] = {}
+    for r in rows:
+        v = acc.setdefault((r.b, r.k), [0, 0, 0, 0, 0.0])
+        v[0] += r.decode_steps
+        v[1] += r.emitted_tokens
+        v[2] += r.accepted_drafts
+        v[3] += r.drafted_tokens
+        v[4] += r.busy_s
+    return [Observation(b, k, int(v[0]), int(v[1]), int(v[2]), int(v[3]), float(v[4]))
+            for (b, k), v in sorted(acc.items()) if v[0] > 0]
 
 
 @dataclass(frozen=True)

@@ -188,3 +188,16 @@ def test_tables_only_use_built_arms(name):
 def test_public_names_match_all():
     public = {n for n in dir(policies) if not n.startswith("_")} - {"annotations"}
     assert set(policies.__all__) == public
+
+
+def test_sum_by_arm_adds_rows_of_one_b_k_in_b_k_order_without_stepless_ones() -> None:
+    rows = [
+        Observation(8, 2, 10, 50, 20, 30, 0.5),
+        Observation(4, 1, 5, 12, 4, 5, 0.25),
+        Observation(8, 2, 6, 30, 10, 18, 0.25),
+        Observation(16, 0, 0, 0, 0, 0, 0.0),
+    ]
+    assert policies.sum_by_arm(rows) == [
+        Observation(4, 1, 5, 12, 4, 5, 0.25),
+        Observation(8, 2, 16, 80, 30, 48, 0.75),
+    ]

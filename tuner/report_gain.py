@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from policies import Buckets, Observation, make_policy
+from policies import Buckets, Observation, make_policy, sum_by_arm
 from tuner.gain import Z95, ArmValue, BucketValues, Gain, estimate_gain, table_arm
 from tuner.report import ServerReport, always_arm, summarize
 from tuner.switchback import t975
@@ -111,30 +111,6 @@ def _values(s: ServerReport, model) -> list[BucketValues]:  # noqa: ANN001
     return values
 
 
-@dataclass(frozen=True, slots=True)
-class _Sum:
-    b: int
-    k: int
-    decode_steps: int
-    emitted_tokens: int
-    accepted_drafts: int
-    drafted_tokens: int
-    busy_s: float
-
-
-def _sums(moments) -> list[_Sum]:  # noqa: ANN001
-    acc: dict[tuple[int, int], list[float]] = {}
-    for m in moments:
-        row = acc.setdefault((m.b, m.k), [0, 0, 0, 0, 0.0])
-        row[0] += m.decode_steps
-        row[1] += m.emitted_tokens
-        row[2] += m.accepted_drafts
-        row[3] += m.drafted_tokens
-        row[4] += m.busy_s
-    return [_Sum(b, k, int(v[0]), int(v[1]), int(v[2]), int(v[3]), v[4])
-            for (b, k), v in sorted(acc.items())]
-
-
 def _jackknife(s: ServerReport, moments, buckets: Buckets, table, bases, always,  # noqa: ANN001
                model) -> dict[str, list[float]]:
     """Per baseline, the gains recomputed without each contiguous stretch of time (the
@@ -150,7 +126,7 @@ def _jackknife(s: ServerReport, moments, buckets: Buckets, table, bases, always,
                        always=always)
         values = _values(rs, model)
         if _lost_measurement(_values(s, model), values, table, bases):
-            values = _values(rs, _model_values(_sums(kept), rs, buckets))
+            values = _values(rs, _model_values(sum_by_arm(kept), rs, buckets))
         for name, base in bases.items():
             rg = estimate_gain(name, values, table, base)
             if rg is not None and math.isfinite(rg.ratio):
@@ -205,7 +181,7 @@ def server_gains(
         table = buckets.table(chosen)  # type: ignore[arg-type]
     else:
         return ()
-    sums = (_sums(moments) if moments is not None
+    sums = (sum_by_arm(moments) if moments is not None
             else storage.aggregate(server=s.server, since=since, until=until))
     model = _model_values(sums, s, buckets)
     values = _values(s, model)

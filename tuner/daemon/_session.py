@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import math
 
-from policies import Buckets, Observation
+from policies import Buckets, Observation, sum_by_arm
 from storage import ServerSeen
 from tuner.config import TunerConfig
 from tuner.daemon._book import _model_of
@@ -140,7 +140,7 @@ class _Session:
             self._restart(srv, now, f"DP replicas {len(prev)} -> {len(states)}")
             srv.rejected_seen = [s.updates_rejected for s in states]
             return []
-        merged: dict[tuple[int, int], list[float]] = {}
+        new: list[CounterRow] = []  # every DP replica's, summed per (b, k) below
         pending, srv.pending_rejection = srv.pending_rejection, None
         if pending is not None and not any(
             s.updates_rejected > (srv.rejected_seen[i] if i < len(srv.rejected_seen)
@@ -163,21 +163,15 @@ class _Session:
                 self._restart(srv, now, f"replica {i}: started_at {p.started_at} -> {s.started_at}")
                 if s.started_at > p.started_at:
                     # Counters of a restarted server count from zero: all of it is new.
-                    for c in s.counters:
-                        _add(merged, c)
+                    new.extend(s.counters)
                 continue
             deltas = counter_deltas(p.counters, s.counters)
             if deltas is None:
                 self._restart(srv, now, f"replica {i}: counters went backwards")
                 continue
-            for d in deltas:
-                _add(merged, d)
+            new.extend(deltas)
         srv.rejected_seen = [s.updates_rejected for s in states]
-        return [
-            Observation(b, k, int(v[0]), int(v[1]), int(v[2]), int(v[3]), float(v[4]))
-            for (b, k), v in sorted(merged.items())
-            if v[0] > 0
-        ]
+        return sum_by_arm(new)
 
     def _restart(self, srv: _Server, now: float, detail: str) -> None:
         srv.restarts += 1
@@ -260,13 +254,3 @@ class _Session:
         srv.next_attempt = -math.inf
         if self.metrics is not None:
             self.metrics.set_up(srv.address, True)
-
-
-def _add(merged: dict[tuple[int, int], list[float]], c: CounterRow) -> None:
-    """Sum DP replicas' counters of one ``(b, k)``."""
-    row = merged.setdefault((c.b, c.k), [0, 0, 0, 0, 0.0])
-    row[0] += c.decode_steps
-    row[1] += c.emitted_tokens
-    row[2] += c.accepted_drafts
-    row[3] += c.drafted_tokens
-    row[4] += c.busy_s
