@@ -1,5 +1,11 @@
-"""``dynspec-tuner bench``: policies against the simulator's oracle, by profile and workload
-or over generated worlds.
+"""Runs every (profile, workload, policy) under one load schedule on the simulator's engine,
+driven as the daemon drives a server, and prints per load phase the % of the oracle's goodput
+(after warm-up / including it), tokens lost to exploration, table switches, convergence and
+p50/p99 time per output token, then the targets. Deterministic for a seed. 'shift' = chat ->
+code -> hard over the schedule. A policy may carry parameters: 'threshold:max_batch=8',
+'sglang-real' runs SGLang's own AdaptiveSpeculativeParams when sglang is importable. --worlds
+runs generated worlds (MoE and dense cost surfaces, acceptance shapes, diversity, drift, noise,
+shifts) instead of profiles and workloads.
 """
 
 from __future__ import annotations
@@ -7,7 +13,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from tuner.cli._common import _csv_ints, console, err_console
+from tuner.cli._common import _command, _csv_ints, console, err_console
 from tuner.errors import ConfigError
 
 
@@ -41,21 +47,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         except ConfigError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
-    p = sub.add_parser(
-        "bench",
+    p = _command(
+        sub, "bench", _cmd_bench, __doc__,
         help="run policies side by side in simulated time and score them against the oracle",
-        description=(
-            "Runs every (profile, workload, policy) under one load schedule on the "
-            "simulator's engine, driven as the daemon drives a server, and prints per load "
-            "phase the % of the oracle's goodput (after warm-up / including it), tokens lost "
-            "to exploration, table switches, convergence and p50/p99 time per output token, "
-            "then the targets. Deterministic for a seed. 'shift' = chat -> code -> hard over "
-            "the schedule. A policy may carry parameters: 'threshold:max_batch=8', "
-            "'sglang-real' runs SGLang's own AdaptiveSpeculativeParams when sglang is "
-            "importable. --worlds runs generated worlds (MoE and dense cost surfaces, "
-            "acceptance shapes, diversity, drift, noise, shifts) instead of profiles and "
-            "workloads."
-        ),
     )
     p.add_argument("--profiles", type=csv, default=None, metavar="LIST",
                    help=f"profile names or files (default: {','.join(DEFAULT_BENCH_PROFILES)})")
@@ -90,7 +84,6 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="worker processes (default: CPU count)")
     p.add_argument("--json", type=Path, default=None, metavar="OUT",
                    help="also write every figure as JSON")
-    p.set_defaults(func=_cmd_bench)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

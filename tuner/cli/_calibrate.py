@@ -1,10 +1,14 @@
-"""``dynspec-tuner calibrate``: a cost table, timed on a GPU or fitted from the history."""
+"""Write a cost table for the simulator (JSON lines, shared/calibration format). --shape times
+a random-weight decoder and its EAGLE-3-style draft on this machine's CUDA GPU (needs pip
+install 'dynspec-tuner[gpu]'); --from-db fits one to the step times a live server reported, so
+the simulator replays that server.
+"""
 
 from __future__ import annotations
 
 import argparse
 
-from tuner.cli._common import _csv_ints, console, err_console
+from tuner.cli._common import _command, _csv_ints, console, err_console
 from tuner.errors import ConfigError
 
 
@@ -21,15 +25,9 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     )
     from tuner.calibrate._grid import DEFAULT_BATCH_SIZES, DEFAULT_TOKENS_PER_SEQ
 
-    p = sub.add_parser(
-        "calibrate",
+    p = _command(
+        sub, "calibrate", _cmd_calibrate, __doc__,
         help="measure a GPU's cost table (torch), or fit one from a server's history",
-        description=(
-            "Write a cost table for the simulator (JSON lines, shared/calibration format). "
-            "--shape times a random-weight decoder and its EAGLE-3-style draft on this "
-            "machine's CUDA GPU (needs pip install 'dynspec-tuner[gpu]'); --from-db fits one "
-            "to the step times a live server reported, so the simulator replays that server."
-        ),
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument(
@@ -104,7 +102,6 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
         help="decode steps a (b, k) needs to count as measured",
     )
     f.add_argument("--since", type=float, metavar="UNIX_TS", help="only observations from then on")
-    p.set_defaults(func=_cmd_calibrate)
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:

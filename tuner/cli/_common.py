@@ -1,10 +1,11 @@
-"""What the command modules share: the consoles (the CLI is the only place that prints)
-and the flag converters.
+"""What the command modules share: the consoles (the CLI is the only place that prints),
+the making of a command's parser, the history flag and the flag converters.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from rich.console import Console
 
@@ -12,6 +13,22 @@ from tuner.errors import ConfigError
 
 console = Console(stderr=False, highlight=False)
 err_console = Console(stderr=True, highlight=False)
+
+
+def _command(sub: argparse._SubParsersAction, name: str,
+             run: Callable[[argparse.Namespace], int], description: str | None, *,
+             help: str) -> argparse.ArgumentParser:
+    """The parser of one command, ``run`` its handler. ``description`` (``--help``'s text) is
+    the command module's docstring: one text for whoever reads the code or the help."""
+    p = sub.add_parser(name, help=help, description=description)
+    p.set_defaults(func=run)
+    return p
+
+
+def _history_option(p: argparse.ArgumentParser) -> None:
+    """``--db``, the history that :func:`_history_url` resolves."""
+    p.add_argument("--db", metavar="URL",
+                   help="history database (default: DYNSPEC_DB, else sqlite:///dynspec.db)")
 
 
 def _csv_ints(text: str) -> tuple[int, ...]:

@@ -1,10 +1,20 @@
-"""``dynspec-tuner export``: the learned table as SGLang's adaptive config or a policy file."""
+"""Write one server's learned table. Where it comes from (--source): 'policy' = the last table
+recorded for the server in the history (the last one it applied; the last dry-run decision if
+nothing was applied); 'data' = re-derived now from the stored observations, the best arm per
+bucket (a bucket without data takes its nearest neighbour's); 'auto' (default) = 'policy' when
+a table was recorded, else 'data'. Formats: 'sglang-adaptive' = JSON for SGLang's
+--speculative-adaptive --speculative-adaptive-config FILE with one candidate step per
+batch-size slot (slot key = the row's lower bound, applied after CUDA-graph padding), so SGLang
+follows the table; SGLang pre-builds every arm in the file (listed in it under "_dynspec").
+'dynspec' = the plugin's versioned policy file (table + provenance), loaded at server start.
+"""
 
 from __future__ import annotations
 
 import argparse
 
-from tuner.cli._common import _buckets_arg, _csv_ints, _history_url, console, err_console
+from tuner.cli._common import _buckets_arg, _command, _csv_ints, _history_option, _history_url
+from tuner.cli._common import console, err_console
 
 
 def _add_export(sub: argparse._SubParsersAction) -> None:
@@ -12,25 +22,11 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
 
     from tuner.export import EXPORT_FORMATS, SOURCES
 
-    p = sub.add_parser(
-        "export",
+    p = _command(
+        sub, "export", _cmd_export, __doc__,
         help="write the learned table for stock SGLang (sglang-adaptive) or the plugin (dynspec)",
-        description=(
-            "Write one server's learned table. Where it comes from (--source): 'policy' = the "
-            "last table recorded for the server in the history (the last one it applied; the "
-            "last dry-run decision if nothing was applied); 'data' = re-derived now from the "
-            "stored observations, the best arm per bucket (a bucket without data takes its "
-            "nearest neighbour's); 'auto' (default) = 'policy' when a table was recorded, "
-            "else 'data'. Formats: 'sglang-adaptive' = JSON for SGLang's "
-            "--speculative-adaptive --speculative-adaptive-config FILE with one candidate step "
-            "per batch-size slot (slot key = the row's lower bound, applied after CUDA-graph "
-            "padding), so SGLang follows the table; SGLang pre-builds every arm in the file "
-            "(listed in it under \"_dynspec\"). 'dynspec' = the plugin's versioned policy "
-            "file (table + provenance), loaded at server start."
-        ),
     )
-    p.add_argument("--db", metavar="URL",
-                   help="history database (default: DYNSPEC_DB, else sqlite:///dynspec.db)")
+    _history_option(p)
     p.add_argument("--server", metavar="HOST:PORT",
                    help="the server (may be omitted when the history holds only one)")
     p.add_argument("--format", choices=EXPORT_FORMATS, required=True)
@@ -42,7 +38,6 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
                    "an ISO time")
     p.add_argument("--buckets", type=_csv_ints, metavar="EDGES",
                    help="with --source data: bucket upper bounds (default: the daemon's)")
-    p.set_defaults(func=_cmd_export)
 
 
 def _cmd_export(args: argparse.Namespace) -> int:

@@ -1,10 +1,17 @@
-"""``dynspec-tuner report``: what the history says, as text, JSON or HTML."""
+"""Per server and batch-size bucket: each arm's goodput with a 95% interval and its sample
+counts, the chosen arm (from the table in effect; the best arm by the data when no table was
+recorded) and its gain over k=0 and over the always-speculate arm, acceptance per arm; the
+policy's version history with reasons; outages, restarts and rejected updates. Plots: goodput
+vs batch size per arm with the crossover marked, the chosen arm per bucket over time, goodput
+over time (embedded in HTML; PNG files beside --out for text and JSON).
+"""
 
 from __future__ import annotations
 
 import argparse
 
-from tuner.cli._common import _buckets_arg, _csv_ints, _history_url, console, err_console
+from tuner.cli._common import _buckets_arg, _command, _csv_ints, _history_option, _history_url
+from tuner.cli._common import console, err_console
 
 
 def _add_report(sub: argparse._SubParsersAction) -> None:
@@ -12,21 +19,11 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
 
     from tuner.report import FORMATS
 
-    p = sub.add_parser(
-        "report",
+    p = _command(
+        sub, "report", _cmd_report, __doc__,
         help="what was learned: goodput per bucket and arm with 95%% intervals, decisions, history",
-        description=(
-            "Per server and batch-size bucket: each arm's goodput with a 95% interval and its "
-            "sample counts, the chosen arm (from the table in effect; the best arm by the data "
-            "when no table was recorded) and its gain over k=0 and over the always-speculate "
-            "arm, acceptance per arm; the policy's version history with reasons; outages, "
-            "restarts and rejected updates. Plots: goodput vs batch size per arm with the "
-            "crossover marked, the chosen arm per bucket over time, goodput over time "
-            "(embedded in HTML; PNG files beside --out for text and JSON)."
-        ),
     )
-    p.add_argument("--db", metavar="URL",
-                   help="history database (default: DYNSPEC_DB, else sqlite:///dynspec.db)")
+    _history_option(p)
     p.add_argument("--server", metavar="HOST:PORT", help="one server (default: all)")
     p.add_argument("--since", metavar="WHEN",
                    help="only the last 90s/15m/1h/2d/1w, or since an ISO time (default: all)")
@@ -39,7 +36,6 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
                    help="the always-speculate arm to compare with (default: the arm SGLang "
                    "starts with for the server's arm set, union[len/2])")
     p.add_argument("--no-plots", action="store_true", help="skip the plots")
-    p.set_defaults(func=_cmd_report)
 
 
 def _cmd_report(args: argparse.Namespace) -> int:

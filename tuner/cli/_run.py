@@ -1,5 +1,8 @@
-"""``dynspec-tuner run``: the daemon, against servers or (``--simulate``) the simulator with
-the oracle's verdict.
+"""Read each server's per-(batch size, arm) telemetry every interval, learn which draft depth
+gives the most goodput per batch-size bucket, push a table every decision period, and record
+everything in the history database. On SIGTERM or Ctrl-C each server is left on its greedy
+table. The tuning flags (not --metrics-* or the simulation ones) also read DYNSPEC_*
+environment variables (a flag wins).
 """
 
 from __future__ import annotations
@@ -7,7 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from tuner.cli._common import _csv_ints, console
+from tuner.cli._common import _command, _csv_ints, console
 from tuner.errors import ConfigError
 
 
@@ -15,16 +18,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     from policies import POLICIES
     from tuner import config as c
 
-    p = sub.add_parser(
-        "run",
+    p = _command(
+        sub, "run", _cmd_run, __doc__,
         help="tune SGLang servers: learn per batch-size bucket and push tables (or --simulate)",
-        description=(
-            "Read each server's per-(batch size, arm) telemetry every interval, learn which "
-            "draft depth gives the most goodput per batch-size bucket, push a table every "
-            "decision period, and record everything in the history database. On SIGTERM or "
-            "Ctrl-C each server is left on its greedy table. The tuning flags (not --metrics-* "
-            "or the simulation ones) also read DYNSPEC_* environment variables (a flag wins)."
-        ),
     )
     p.add_argument(
         "--server", action="append", dest="servers", metavar="HOST:PORT",
@@ -97,7 +93,6 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                    help=f"built-in traffic (default {c.DEFAULT_SIM_LOAD}: a concurrency sweep)")
     g.add_argument("--speed", type=float, metavar="X",
                    help=f"simulated seconds per wall second (default {c.DEFAULT_SIM_SPEED:g})")
-    p.set_defaults(func=_cmd_run)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

@@ -1,10 +1,14 @@
-"""``dynspec-tuner sglang-args``: the flags that launch SGLang with the plugin."""
+"""Write the single-slot adaptive config {"1": {"candidate_steps": ARMS}} (so SGLang builds
+CUDA graphs for every arm at every batch size and the plugin's table does the bucketing) and
+print the speculative flags for sglang.launch_server on stdout, ready for $(...). The arms are
+fixed for the server's lifetime: each costs graph-capture time and GPU memory.
+"""
 
 from __future__ import annotations
 
 import argparse
 
-from tuner.cli._common import _csv_ints, console, err_console
+from tuner.cli._common import _command, _csv_ints, console, err_console
 from tuner.errors import ConfigError
 
 
@@ -18,17 +22,8 @@ def _add_sglang_args(sub: argparse._SubParsersAction) -> None:
         DEFAULT_MAX_RUNNING_REQUESTS,
     )
 
-    p = sub.add_parser(
-        "sglang-args",
-        help="print the SGLang flags for the plugin and write its adaptive config",
-        description=(
-            "Write the single-slot adaptive config {\"1\": {\"candidate_steps\": ARMS}} (so "
-            "SGLang builds CUDA graphs for every arm at every batch size and the plugin's "
-            "table does the bucketing) and print the speculative flags for "
-            "sglang.launch_server on stdout, ready for $(...). The arms are fixed for the "
-            "server's lifetime: each costs graph-capture time and GPU memory."
-        ),
-    )
+    p = _command(sub, "sglang-args", _cmd_sglang_args, __doc__,
+                 help="print the SGLang flags for the plugin and write its adaptive config")
     p.add_argument("--arms", type=_csv_ints, default=DEFAULT_ARMS, metavar="K,K,...",
                    help="draft-step counts the server pre-builds, 0 = no drafting "
                    f"(default {','.join(map(str, DEFAULT_ARMS))})")
@@ -46,7 +41,6 @@ def _add_sglang_args(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-running-requests", type=int, default=DEFAULT_MAX_RUNNING_REQUESTS,
                    metavar="N", help="raise SGLang's EAGLE default of 48 so large-batch "
                    f"buckets occur (default {DEFAULT_MAX_RUNNING_REQUESTS}; 0 = leave it out)")
-    p.set_defaults(func=_cmd_sglang_args)
 
 
 def _cmd_sglang_args(args: argparse.Namespace) -> int:

@@ -1,10 +1,12 @@
-"""``dynspec-tuner sim``: the simulated SGLang server on its own."""
+"""Serve a simulated SGLang 0.5.23 server with EAGLE-3 speculative decoding and the dynspec
+plugin on loopback, on a virtual clock calibrated from a cost profile. Runs until Ctrl-C.
+"""
 
 from __future__ import annotations
 
 import argparse
 
-from tuner.cli._common import _csv_ints, console
+from tuner.cli._common import _command, _csv_ints, console
 from tuner.errors import ConfigError
 
 
@@ -14,15 +16,8 @@ def _add_sim(sub: argparse._SubParsersAction) -> None:
     from tuner.sim.server import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SIM_LOAD
     from tuner.sim.workloads import list_workloads
 
-    p = sub.add_parser(
-        "sim",
-        help="run a simulated SGLang server (no GPU) that speaks SGLang's HTTP API",
-        description=(
-            "Serve a simulated SGLang 0.5.23 server with EAGLE-3 speculative decoding and the "
-            "dynspec plugin on loopback, on a virtual clock calibrated from a cost profile. "
-            "Runs until Ctrl-C."
-        ),
-    )
+    p = _command(sub, "sim", _cmd_sim, __doc__,
+                 help="run a simulated SGLang server (no GPU) that speaks SGLang's HTTP API")
     p.add_argument(
         "--profile",
         default="h200-llama8b",
@@ -110,7 +105,6 @@ def _add_sim(sub: argparse._SubParsersAction) -> None:
         help="start from an exported policy (export --format dynspec), as the plugin does with "
         "DYNSPEC_POLICY_FILE (default: that variable)",
     )
-    p.set_defaults(func=_cmd_sim)
 
 
 def _cmd_sim(args: argparse.Namespace) -> int:

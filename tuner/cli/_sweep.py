@@ -1,5 +1,11 @@
-"""``dynspec-tuner sweep``: throughput by concurrency level and arm on a live (or simulated)
-server, with progress bars.
+"""Drive closed-loop load at each concurrency level (exactly N requests in flight, through
+/v1/completions or /generate), pin the server to one arm at a time through the plugin, and
+measure output tokens/s, time per output token (p50/p99) and the server's own counters. Optuna
+picks the next (level, arm) and stops windows that are clearly behind, so far fewer than levels
+x arms windows are needed; the study lives in --db (optuna-dashboard shows it) and a rerun with
+the same settings resumes it. Output: the table (best arm marked, crossover named) as text,
+JSON and PNG, plus the learned per-batch table. Ctrl-C stops cleanly and keeps what was
+measured; the server gets its own table back.
 """
 
 from __future__ import annotations
@@ -9,7 +15,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from tuner.cli._common import _csv_ints, _history_url, console, err_console
+from tuner.cli._common import _command, _csv_ints, _history_url, console, err_console
 from tuner.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -24,20 +30,9 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
     from tuner import config as c
     from tuner.loadgen import DEFAULT_MAX_TOKENS, ENDPOINTS
 
-    p = sub.add_parser(
-        "sweep",
+    p = _command(
+        sub, "sweep", _cmd_sweep, __doc__,
         help="tokens/s by concurrency level and arm, the hand-drawn table, measured for you",
-        description=(
-            "Drive closed-loop load at each concurrency level (exactly N requests in flight, "
-            "through /v1/completions or /generate), pin the server to one arm at a time through "
-            "the plugin, and measure output tokens/s, time per output token (p50/p99) and the "
-            "server's own counters. Optuna picks the next (level, arm) and stops windows that "
-            "are clearly behind, so far fewer than levels x arms windows are needed; the "
-            "study lives in --db (optuna-dashboard shows it) and a rerun with the same "
-            "settings resumes it. Output: the table (best arm marked, crossover named) as "
-            "text, JSON and PNG, plus the learned per-batch table. Ctrl-C stops cleanly and "
-            "keeps what was measured; the server gets its own table back."
-        ),
     )
     p.add_argument("--server", metavar="HOST:PORT", default=None,
                    help=f"the SGLang server (default {c.DEFAULT_SERVER})")
@@ -96,7 +91,6 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--speed", type=float, default=8.0, metavar="X",
                    help="simulated seconds per wall second (default 8; much faster and the "
                    "client's own turnaround starts to show in the numbers)")
-    p.set_defaults(func=_cmd_sweep)
 
 
 class _SweepView:
