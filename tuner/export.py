@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from policies import Buckets
+from policies import Buckets, table_from_arms
 from tuner._atomic import write_atomic
 from tuner.errors import ConfigError
 from tuner.protocol import ProtocolError, Table, format_table, validate_table
@@ -248,13 +248,7 @@ def sglang_adaptive_config(
     table: Table, *, meta: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """The ``--speculative-adaptive-config`` JSON for a table (see the module docstring)."""
-    table = validate_table(table)
-    merged: list[tuple[int | None, int]] = []
-    for bound, k in table:
-        if merged and merged[-1][1] == k:
-            merged[-1] = (bound, k)
-        else:
-            merged.append((bound, k))
+    merged = table_from_arms(validate_table(table))  # neighbouring rows of one arm as one
     cfg: dict[str, Any] = {}
     low = 1
     for bound, k in merged:
