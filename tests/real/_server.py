@@ -316,8 +316,9 @@ def http(
     url: str, path: str, body: Any = None, *, method: str | None = None,
     key: str | None = None, timeout: float = 120.0,
 ) -> tuple[int, Any]:  # fmt: skip
-    """(status, parsed JSON or text) of one request; HTTP errors are returned, not raised."""
-    data = None if body is None else json.dumps(body).encode()
+    """(status, parsed JSON or text) of one request; HTTP errors are returned, not raised.
+    ``body``: sent as JSON, or as it is when bytes (a malformed body on purpose)."""
+    data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
     req = urllib.request.Request(url + path, data=data, method=method or ("POST" if data else "GET"))
     if data is not None:
         req.add_header("Content-Type", "application/json")

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import urllib.error
-import urllib.request
 
 import pytest
 from _server import ARMS, generate, http, readout
@@ -47,20 +45,6 @@ def type_differences(where: str, sim: dict, real: dict, *, ignore=()) -> list[st
     return out
 
 
-def raw_post(url: str, path: str, data: bytes) -> tuple[int, object]:
-    req = urllib.request.Request(url + path, data=data, method="POST",
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            status, raw = r.status, r.read()
-    except urllib.error.HTTPError as e:
-        status, raw = e.code, e.read()
-    try:
-        return status, json.loads(raw)
-    except ValueError:
-        return status, raw.decode(errors="replace")
-
-
 def shape(body) -> object:
     """An answer with values reduced to their types (error messages differ in wording)."""
     if isinstance(body, dict):
@@ -82,7 +66,7 @@ def update_probes(url: str) -> dict[str, tuple[int, object]]:
     }
     out = {}
     for name, data in probes.items():
-        status, body = raw_post(url, "/set_internal_state", data)
+        status, body = http(url, "/set_internal_state", data, timeout=60)
         out[name] = (status, shape(body))
     return out
 
