@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from policies import make_policy
+from tuner.config import _positive  # seconds: the run config's own check
 from tuner.errors import ConfigError
 from tuner.protocol import TreeShape
 from tuner.sim.load import parse_load
@@ -99,11 +100,6 @@ def _value(raw: str) -> Any:
         except ValueError:
             pass
     return raw
-
-
-def _positive(name: str, value: float) -> None:
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-        raise ConfigError(f"{name} must be a positive number, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
