@@ -114,6 +114,17 @@ class SGLangClient:
             )
         return response
 
+    def _get_ok(self, path: str, hint: str, *, excerpt: bool = True) -> httpx.Response:
+        """``GET path`` answered 200, else MalformedReplyError with the status and ``hint``
+        (what another answer most likely means)."""
+        response = self._request("GET", path)
+        if response.status_code != 200:
+            body = _excerpt(response) if excerpt else ""
+            raise MalformedReplyError(
+                self.address, f"{path} answered HTTP {response.status_code}{body} ({hint})"
+            )
+        return response
+
     def _json(self, response: httpx.Response, path: str) -> Any:
         try:
             return response.json()
@@ -132,13 +143,7 @@ class SGLangClient:
             MalformedReplyError: not a JSON object, or another HTTP error.
         """
         path = SERVER_INFO_PATH
-        response = self._request("GET", path)
-        if response.status_code != 200:
-            raise MalformedReplyError(
-                self.address,
-                f"{path} answered HTTP {response.status_code}{_excerpt(response)} "
-                "(is this an SGLang server?)",
-            )
+        response = self._get_ok(path, "is this an SGLang server?")
         info = self._json(response, path)
         if not isinstance(info, dict):
             raise MalformedReplyError(
@@ -187,14 +192,8 @@ class SGLangClient:
             ServerUnavailableError: unreachable, timed out or HTTP 5xx.
             MalformedReplyError: any other non-200 answer.
         """
-        response = self._request("GET", METRICS_PATH)
-        if response.status_code != 200:
-            raise MalformedReplyError(
-                self.address,
-                f"{METRICS_PATH} answered HTTP {response.status_code}"
-                " (is the server started with --enable-metrics?)",
-            )
-        return response.text
+        return self._get_ok(METRICS_PATH, "is the server started with --enable-metrics?",
+                            excerpt=False).text
 
     def loads(self, path: str = LOADS_PATH) -> Any | None:
         """``GET /v1/loads`` parsed, or None when the server does not serve it.
