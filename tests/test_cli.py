@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
 
 from storage import Storage
+from tests._cli_proc import cli_process, sigterm
 from tests._imports import heavy_imports
 from tuner.cli import main
 from tuner.config import DEFAULT_SERVER, TunerConfig
@@ -93,23 +91,15 @@ def test_sigterm_leaves_the_greedy_table_flushes_and_exits_0(tmp_path):
 
     db = tmp_path / "h.db"
     with SimServer(load="8", speed=20, seed=1) as sim:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tuner.cli", "run", "--server", f"127.0.0.1:{sim.port}",
-             "--db", f"sqlite:///{db}", "--interval", "0.05", "--decision-period", "0.1"],
-            stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            env={**os.environ, "DYNSPEC_API_KEY": "never-logged"},
-        )
-        try:
+        with cli_process("run", "--server", f"127.0.0.1:{sim.port}", "--db", f"sqlite:///{db}",
+                         "--interval", "0.05", "--decision-period", "0.1",
+                         env={**os.environ, "DYNSPEC_API_KEY": "never-logged"}) as proc:
             pushes = 0
             for line in proc.stderr:  # blocks until the daemon says it pushed, no sleeping
                 pushes += " pushed v" in line
                 if pushes >= 2:
                     break
-            proc.send_signal(signal.SIGTERM)
-            out, err = proc.communicate(timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+            out, err = sigterm(proc)
         assert proc.returncode == 0, err
         with sim.lock:
             table, version = sim.core.table, sim.core.version

@@ -169,10 +169,10 @@ def test_the_containers_command_runs_healthchecks_and_stops_cleanly(tmp_path):
     runs what the image would: its ENTRYPOINT + CMD with its ENV (the history path moved
     from the volume to tmp_path, the metrics port to a free one) against a loopback simulated
     server, then the HEALTHCHECK's own command, then `docker stop`'s SIGTERM."""
-    import signal
     import socket
     import time
 
+    from tests._cli_proc import cli_process, sigterm
     from tests._fakes import LoopbackSim
 
     text = DOCKERFILE.read_text()
@@ -186,12 +186,8 @@ def test_the_containers_command_runs_healthchecks_and_stops_cleanly(tmp_path):
     argv = [port if a == "9464" else a for a in entry + cmd]
     env["DYNSPEC_DB"] = env["DYNSPEC_DB"].replace("/var/lib/dynspec-tuner", str(tmp_path))
     with LoopbackSim() as sim:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tuner.cli", *argv[1:]],
-            env={**os.environ, **env, "DYNSPEC_SERVERS": sim.addr},
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-        )
-        try:
+        with cli_process(*argv[1:], env={**os.environ, **env, "DYNSPEC_SERVERS": sim.addr},
+                         cwd=tmp_path) as proc:
             probe = shlex.split(health.replace("9464", port))
             probe[0] = sys.executable
             deadline = time.monotonic() + 60
@@ -200,11 +196,7 @@ def test_the_containers_command_runs_healthchecks_and_stops_cleanly(tmp_path):
                 if ok or time.monotonic() > deadline or proc.poll() is not None:
                     break
             assert ok, "the HEALTHCHECK command never passed"
-            proc.send_signal(signal.SIGTERM)
-            out, err = proc.communicate(timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+            out, err = sigterm(proc)
     assert proc.returncode == 0, err
     lines = [x for x in err.splitlines() if x.strip()]
     assert lines and all(json.loads(x)["level"] for x in lines)  # --log-format json

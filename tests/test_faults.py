@@ -30,6 +30,7 @@ import pytest
 
 from policies import make_policy
 from storage import Storage
+from tests._cli_proc import cli_process, sigterm
 from tests._fakes import FakeClock, LoopbackSim
 from tuner.cli import main
 from tuner.config import TunerConfig
@@ -536,19 +537,12 @@ def test_9_sigkill_mid_write_loses_at_most_one_interval_and_warm_starts(tmp_path
                 run["since"] = since + stored
             # Complete ticks only, up to the last reading or the one before it.
             assert stored in {mine[-1][1] - mine[0][1], mine[-2][1] - mine[0][1]}, (stored, mine)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tuner.cli", "run", "--server", sim.addr, "--db",
-             f"sqlite:///{db}", "--interval", "0.01"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
+        with cli_process("run", "--server", sim.addr, "--db", f"sqlite:///{db}",
+                         "--interval", "0.01") as proc:
             for line in proc.stderr:  # blocks until the warm start is logged
                 if "warm start from" in line:
                     break
-            proc.send_signal(signal.SIGTERM)
-            proc.communicate(timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+            sigterm(proc)
         assert proc.returncode == 0
 
 
