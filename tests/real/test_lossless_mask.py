@@ -6,10 +6,10 @@ verify (``steps = 0``) is plain causal attention."""
 from __future__ import annotations
 
 import importlib
-import math
 import sys
 
 import pytest
+from _reference import softmax_attention
 from _server import STAND_IN, need_server_env
 
 need_server_env()
@@ -54,18 +54,6 @@ def _run(c, custom_mask):
     return out
 
 
-def _softmax_attention(q, keys, values, scale):
-    out = torch.zeros(H, D)
-    for h in range(H):
-        kv = h // (H // HKV)
-        logits = [float(q[h] @ keys[m, kv]) * scale for m in range(keys.shape[0])]
-        top = max(logits)
-        w = [math.exp(x - top) for x in logits]
-        for m, wm in enumerate(w):
-            out[h] += wm / sum(w) * values[m, kv]
-    return out
-
-
 def _per_node(c, sees):
     outs, start = [], 0
     for r, (p, e) in enumerate(zip(c["prefix"], c["ext"])):
@@ -74,7 +62,7 @@ def _per_node(c, sees):
             own = [start + j for j in range(e) if sees(r, i, j)]
             keys = torch.cat([c["k_buf"][slots], c["k_ext"][own]])
             values = torch.cat([c["v_buf"][slots], c["v_ext"][own]])
-            outs.append(_softmax_attention(c["q"][start + i], keys, values, 0.5))
+            outs.append(softmax_attention(c["q"][start + i], keys, values, 0.5))
         start += e
     return torch.stack(outs)
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import importlib
-import math
 import sys
 
 import pytest
+from _reference import softmax_attention
 from _server import STAND_IN, need_server_env
 
 need_server_env()
@@ -18,20 +18,6 @@ sampled_verify = importlib.import_module("sampled_verify")
 sys.path.remove(str(STAND_IN))
 
 H, HKV, D = 4, 2, 8  # grouped-query heads, as the tier's tiny Llama has
-
-
-def _reference_attention(q, keys, values, scale):
-    """One query token [H, D] over keys/values [N, HKV, D], head by head, with math.exp."""
-    out = torch.zeros(H, D)
-    for h in range(H):
-        kv = h // (H // HKV)
-        logits = [float(q[h] @ keys[n, kv]) * scale for n in range(keys.shape[0])]
-        top = max(logits)
-        weights = [math.exp(x - top) for x in logits]
-        total = sum(weights)
-        for n, w in enumerate(weights):
-            out[h] += w / total * values[n, kv]
-    return out
 
 
 def _pool(num_slots=64, seed=0):
@@ -58,7 +44,7 @@ def test_decode_attention_matches_per_token_softmax_and_stores_the_new_kv():
     assert torch.equal(k_buf[12], new_k[0]) and torch.equal(v_buf[22], new_v[1])
     for i, rpi in enumerate((1, 2)):
         slots = req_to_token[rpi, : seq_lens[i]].long()
-        ref = _reference_attention(q[i], k_buf[slots], v_buf[slots], 0.3)
+        ref = softmax_attention(q[i], k_buf[slots], v_buf[slots], 0.3)
         assert torch.allclose(out[i], ref, atol=1e-5)
 
 
@@ -94,7 +80,7 @@ def _reference_extend(case, sees):
             own = [start + j for j in range(e) if sees(r, i, j)]
             keys = torch.cat([k_buf[slots], k_ext[own]])
             values = torch.cat([v_buf[slots], v_ext[own]])
-            outs.append(_reference_attention(q[start + i], keys, values, 0.5))
+            outs.append(softmax_attention(q[start + i], keys, values, 0.5))
         start += e
     return torch.stack(outs)
 
