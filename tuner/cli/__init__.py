@@ -1,12 +1,12 @@
 """``dynspec-tuner``: parse, build the config, call the library. The only package that prints.
 
 Each subcommand lives in its own module, ``_<name>.py``: a pair ``_add_<name>(subparsers)`` /
-``_cmd_<name>(args) -> int``, listed in ``_COMMANDS`` below in the order ``--help`` shows
-them (``_common`` holds the consoles, ``_command`` that makes a command's parser with the
-module's docstring as its description, and the shared flags and converters). This module is
-the thin parser: the global options, :func:`build_parser` and :func:`main`. Every command's
-imports of the library stay inside its functions, so building the parser imports neither
-Optuna nor SQLAlchemy. Exit codes: 0 ok, 1 a runtime failure (DynspecError), 2 a usage or configuration
+``_cmd_<name>(args) -> int``, listed in ``_COMMANDS`` below in the order ``--help`` shows them
+(``_common`` holds the consoles, ``_command`` that makes a command's parser with the module's
+docstring as its description, and the shared flags and converters). This module is the thin
+parser: the global options, :func:`build_parser` and :func:`main`. Every command's imports of
+the library stay inside its functions, so building the parser imports neither Optuna nor
+SQLAlchemy. Exit codes: 0 ok, 1 a runtime failure (DynspecError), 2 a usage or configuration
 error (argparse, ConfigError), 130 interrupted.
 """
 
