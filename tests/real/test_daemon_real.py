@@ -6,11 +6,12 @@ from __future__ import annotations
 import signal
 import sqlite3
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from _drive import Load, Tuner, pushed_versions, tuner_args
-from _server import ARMS, http, readout, wait_for
+from _server import ARMS, RealServer, http, readout, wait_for
 
 from tuner.protocol import encode_update
 
@@ -40,10 +41,20 @@ def test_daemon_learns_and_every_push_is_applied(learned, history_db):
     assert applied == sorted(applied)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _launch_keyed(servers) -> None:
+    """Launched before this module's first test, so that it starts while that test's shared
+    server starts and learns (session scope: pytest sets those fixtures up first)."""
+    servers.spawn("keyed", admin_api_key=ADMIN_KEY, alpha=0.5)
+
+
 @pytest.fixture(scope="module")
-def keyed_server(servers):
-    """A server that takes table updates only with the admin key (reads stay open)."""
-    return servers("keyed", admin_api_key=ADMIN_KEY, alpha=0.5)
+def keyed_server(servers) -> Iterator[RealServer]:
+    """A server that takes table updates only with the admin key (reads stay open); it stops
+    with this module (it was launched by a session fixture)."""
+    server = servers("keyed")
+    yield server
+    server.kill()
 
 
 def test_admin_key_from_a_file_pushes(keyed_server, workdir):

@@ -28,18 +28,34 @@ def _export(history_db, server, fmt: str, out) -> None:
                 "--format", fmt, "--out", str(out)])  # fmt: skip
 
 
-def test_a_server_started_from_an_exported_policy_runs_it_from_its_first_step(
-    learned, history_db, plugin_server, servers, workdir
-):
+@pytest.fixture(scope="module")
+def exported(learned, history_db, plugin_server, servers, workdir) -> dict:
+    """Both exports of the tier's history, and both servers that start from them launched
+    at once (most of a start is one process's CPU: two share the cores)."""
     policy_path = workdir / "policy.dynspec.json"
     _export(history_db, plugin_server, "dynspec", policy_path)
     policy = json.loads(policy_path.read_text())
     table = table_from_json(policy["table"], ARMS)
+    config = workdir / "exported.sglang-adaptive.json"
+    _export(history_db, plugin_server, "sglang-adaptive", config)
+    cfg = json.loads(config.read_text())
     # Start on an arm the table does not use where there is one, so the default table and
     # the file's table differ in what the counters show.
     unused = [a for a in ARMS if a not in {k for _, k in table}]
-    server = servers("from-policy", initial_steps=(unused or [ARMS[0]])[0],
-                     extra_env={"DYNSPEC_POLICY_FILE": str(policy_path)})  # fmt: skip
+    servers.spawn("from-policy", initial_steps=(unused or [ARMS[0]])[0],
+                  extra_env={"DYNSPEC_POLICY_FILE": str(policy_path)})  # fmt: skip
+    # Stock SGLang (our plugin not loaded) on the exported sglang-adaptive config.
+    servers.spawn("stock", adaptive_config=config, plugins=NO_PLUGIN,
+                  arms=tuple(sorted({s for v in cfg.values() if isinstance(v, dict)
+                                     for s in v.get("candidate_steps", ())})))  # fmt: skip
+    return {"policy": policy, "table": table, "adaptive": cfg}
+
+
+def test_a_server_started_from_an_exported_policy_runs_it_from_its_first_step(
+    exported, servers
+):
+    policy, table = exported["policy"], exported["table"]
+    server = servers("from-policy")
     state = readout(server.url)
     assert state["policy_version"] == policy["policy_version"]
     assert table_from_json(state["table"], ARMS) == table
@@ -54,15 +70,9 @@ def test_a_server_started_from_an_exported_policy_runs_it_from_its_first_step(
 
 
 @pytest.fixture(scope="module")
-def stock_server(learned, history_db, plugin_server, servers, workdir):
-    """Stock SGLang (our plugin not loaded) on an exported sglang-adaptive config."""
-    config = workdir / "exported.sglang-adaptive.json"
-    _export(history_db, plugin_server, "sglang-adaptive", config)
-    cfg = json.loads(config.read_text())
-    server = servers("stock", adaptive_config=config, plugins=NO_PLUGIN,
-                     arms=tuple(sorted({s for v in cfg.values() if isinstance(v, dict)
-                                        for s in v.get("candidate_steps", ())})))  # fmt: skip
-    return server, cfg
+def stock_server(exported, servers):
+    """Stock SGLang (our plugin not loaded) on the exported sglang-adaptive config."""
+    return servers("stock"), exported["adaptive"]
 
 
 def test_export_for_stock_sglang_is_accepted_by_a_real_server(stock_server):

@@ -27,7 +27,9 @@ MIN_STEPS = 30  # decode steps per (bucket, arm) in a measurement ...
 LEVEL_MAX_S = 150.0  # ... or this long per level, whichever comes first
 SLICE_S = 2.0  # arms take turns pinned this long: load from outside drifts alike for all
 PHASE_S = 20.0  # one concurrency level's turn while the daemon runs
-TURNS = {ALPHAS[0]: 4, ALPHAS[1]: 4}  # turns per acceptance level (alternating levels)
+# Turns per acceptance level (the levels alternate). After the change the policy must first
+# forget: its acceptance memory is a minute of busy time (policies/_model.py).
+TURNS = {ALPHAS[0]: 4, ALPHAS[1]: 6}
 TOLERANCE = 0.02
 
 

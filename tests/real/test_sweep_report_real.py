@@ -18,7 +18,7 @@ def test_sweep_measures_two_levels_and_restores_the_table(plugin_server, workdir
     done = run_client([
         "sweep", "--server", plugin_server.address, "--endpoint", "generate",
         "--concurrency", ",".join(map(str, LEVELS)), "--arms", ",".join(map(str, SWEEP_ARMS)),
-        "--max-tokens", "16", "--per-level", "4", "--warmup", "1", "--exhaustive", "--no-table",
+        "--max-tokens", "8", "--per-level", "4", "--warmup", "1", "--exhaustive", "--no-table",
         "--db", f"sqlite:///{workdir / 'sweep.db'}", "--out", str(out),
     ])  # fmt: skip
     result = json.loads(out.read_text())
