@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 import math
 from bisect import bisect_left
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -229,6 +229,16 @@ class BasePolicy(abc.ABC):
             raise ValueError(f"arms must be a non-empty set of ints >= 0, got {self.arms}")
         self.buckets = buckets or Buckets()
         self.seed = seed
+
+    def set_verify_tokens(self, tokens: Mapping[int, int]) -> None:
+        """How many tokens an arm verifies per request where that is not ``k + 1``: on an
+        EAGLE tree server the arm ``steps`` verifies ``draft_tokens`` (from the readout's
+        ``tree``). Call before the first :meth:`update`. Policies that price an arm by a
+        step-time model use it; the others, which only compare measurements, ignore it."""
+        for k, n in tokens.items():
+            if k not in self.arms or k == 0 or not k + 1 <= n:
+                raise ValueError(f"arm {k} cannot verify {n} tokens per request "
+                                 f"(arms {list(self.arms)}; arm k verifies at least k + 1)")
 
     def update(self, obs: Observation) -> bool:
         """Feed one observation. Returns False (state unchanged) if it is unusable."""

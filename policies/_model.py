@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -164,6 +165,16 @@ class ModelPolicy(LearningPolicy):
         self._comp: tuple[StepTimePosterior, AcceptancePosterior] | None = None
         self._refits = 0
         self._active: tuple[int, np.ndarray] | None = None  # (cells, grid points weighed)
+        # Each arm's place on the cost model's draft-token axis: k for a chain (verify k + 1
+        # tokens), draft_tokens - 1 for an EAGLE tree's arm (set_verify_tokens). Priced as
+        # a 2-deep chain, a 16-token tree looked no dearer than k = 0 at 256 requests, and
+        # k = 0 was never tried there.
+        self._cost_k = {k: k for k in self.arms}
+
+    def set_verify_tokens(self, tokens: Mapping[int, int]) -> None:
+        super().set_verify_tokens(tokens)
+        self._cost_k.update({k: n - 1 for k, n in tokens.items()})
+        self._comp = self._pred = self._active = None
 
     # --- learning -------------------------------------------------------------------------
 
@@ -257,7 +268,7 @@ class ModelPolicy(LearningPolicy):
         (:mod:`policies._steptime`), conditioned on every bucket's measured step times."""
         p = self.params
         cells = [
-            Cell(bucket=j, arm=k, b=t.mean_b, log_t=t.mean,
+            Cell(bucket=j, arm=self._cost_k[k], b=t.mean_b, log_t=t.mean,
                  sd=t.mean_sd(p.timing_sd, p.prior_obs), weight=t.w)
             for j, per_arm in enumerate(self._time) for k, t in per_arm.items() if t.seen
         ]
@@ -267,7 +278,8 @@ class ModelPolicy(LearningPolicy):
         # between only those that kept weight (a few of the grid's 28; most of the cost).
         full = (self._active is None or len(cells) != self._active[0]
                 or self._refits % _FULL_EVERY == 0)
-        post = step_time_posterior(cells, rep, self.arms, zero_arm_sd=p.zero_arm_sd,
+        post = step_time_posterior(cells, rep, [self._cost_k[k] for k in self.arms],
+                                   zero_arm_sd=p.zero_arm_sd,
                                    active=None if full else self._active[1])
         if full:
             self._active = (len(cells), np.flatnonzero(post.grid_weights > _ACTIVE_WEIGHT))

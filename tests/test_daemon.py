@@ -479,3 +479,47 @@ def test_restart_onto_the_current_table_pushes_nothing_and_says_so(tmp_path, cap
     assert "already runs rest:k3; nothing to re-push" in caplog.text
     st = d.status().servers[0]
     assert st.server_version == 0  # what the restarted server reports, not an old version
+
+
+# --- tree servers ---------------------------------------------------------------------------
+
+
+def test_a_tree_server_s_policy_learns_how_many_tokens_its_arm_verifies(tmp_path):
+    """The readout's tree reaches the policy before its first observation (a model policy
+    prices the arm at 16 verified tokens, not as a 2-deep chain); another tree on the same
+    arms after a restart builds a new policy."""
+    from tuner.protocol import TreeShape
+
+    srv, clock = FakeServer(), FakeClock()
+    tree16, tree8 = TreeShape(topk=4, steps=2, draft_tokens=16), TreeShape(4, 2, 8)
+    srv.cores = [PluginCore((0, 2), started_at=500.0, tree=tree16)]
+    calls = []
+
+    class Recording(ScriptedPolicy):
+        def set_verify_tokens(self, tokens):
+            super().set_verify_tokens(tokens)
+            calls.append((dict(tokens), len(self.fed)))
+
+    config = TunerConfig(servers=(A,), interval_s=1.0, decision_period_s=5.0)
+    client = SGLangClient(A, transport=httpx.MockTransport(srv))
+    d = Daemon(config, storage=Storage(f"sqlite:///{tmp_path / 'h.db'}"), clients={A: client},
+               policy_factory=lambda arms, buckets: Recording(arms=arms, buckets=buckets),
+               clock=clock)
+    d.run_once()
+    srv.decode(4, 10)
+    tick(d, clock)
+    assert calls == [({2: 16}, 0)] and d.policy_of(A).fed
+    srv.cores = [PluginCore((0, 2), started_at=900.0, tree=tree8)]
+    tick(d, clock)
+    assert calls[-1] == ({2: 8}, 0)
+    (ev,) = d.storage.events(server=A, kinds=["arms_changed"])
+    assert ev.detail == "(0, 2) (tree 4x2x16) -> (0, 2) (tree 4x2x8)"
+
+
+def test_a_tree_s_verified_tokens_are_checked():
+    pol = make_policy("model", arms=(0, 2))
+    for bad in ({0: 4}, {3: 16}, {2: 2}):
+        with pytest.raises(ValueError, match="cannot verify"):
+            pol.set_verify_tokens(bad)
+    pol.set_verify_tokens({2: 16})
+    make_policy("thompson", arms=(0, 2)).set_verify_tokens({2: 16})  # a bandit ignores it

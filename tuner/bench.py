@@ -319,7 +319,10 @@ def _build_policy(spec: str, arms: Sequence[int], seed: int, profile: CostProfil
             (k, min(max(workload_emitted(workload, profile.acceptance, k) - 1.0, 0.0), k))
             for k in sorted({0, 1, 3, 5, 7} | set(arms))
         )
-    return make_policy(name, arms=arms, seed=seed, **params)
+    pol = make_policy(name, arms=arms, seed=seed, **params)
+    if tree is not None:  # as the daemon does from a tree server's readout
+        pol.set_verify_tokens({tree.steps: tree.draft_tokens})
+    return pol
 
 
 def run_one(

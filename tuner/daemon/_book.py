@@ -12,7 +12,7 @@ from typing import Any
 from policies import BasePolicy, Buckets, Observation, PolicySnapshot
 from storage import ObservationRecord, Storage
 from tuner.config import TunerConfig
-from tuner.daemon._records import DEFAULT_POOL_LOOKBACK_IDS, _Server
+from tuner.daemon._records import DEFAULT_POOL_LOOKBACK_IDS, _PoolKey, _Server
 from tuner.errors import StorageError
 from tuner.protocol import Table
 
@@ -72,7 +72,7 @@ class _PolicyBook:
     buckets: Buckets
     clock: Callable[[], float]
     _policy_factory: Callable[[tuple[int, ...], Buckets], BasePolicy]
-    _pool_policies: dict[tuple[str | None, tuple[int, ...]], _PoolPolicy]
+    _pool_policies: dict[_PoolKey, _PoolPolicy]
     _pool_models: dict[str, str | None]
     _pool_lock: threading.Lock
     _pool_cursor: int | None
@@ -114,7 +114,7 @@ class _PolicyBook:
             return
         with self._pool_lock:  # two replicas read for the first time at once build one
             self._check_pool_models(srv)
-            key = (srv.model, arms)
+            key = (srv.model, arms, srv.tree)
             shared = self._pool_policies.get(key)
             if shared is None:
                 self._new_policy(srv, arms, warm=warm)
@@ -157,6 +157,8 @@ class _PolicyBook:
     def _new_policy(self, srv: _Server, arms: tuple[int, ...], *, warm: bool = True) -> None:
         try:
             policy = self._policy_factory(arms, self.buckets)
+            if srv.tree is not None:  # before any update: the tree's arm verifies more tokens
+                policy.set_verify_tokens({srv.tree.steps: srv.tree.draft_tokens})
         except ValueError as exc:
             # e.g. a static table naming an arm this server lacks (metrics-only mode knows
             # only the arm the server runs): say so once, keep reading, decide nothing.
@@ -231,7 +233,7 @@ class _PolicyBook:
                 mates = {rec.address: rec.model for rec in self.storage.servers()}
             except StorageError as exc:
                 log.debug("pool %s: pool-mates' models not read this tick: %s", pool, exc)
-        for (model, arms), policy in shared:
+        for (model, arms, _tree), policy in shared:
             allowed = set(arms)
             # A pool-mate known to run another model teaches this policy nothing.
             obs = [(i, Observation(r.b, r.k, r.decode_steps, r.emitted_tokens,

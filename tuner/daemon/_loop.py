@@ -25,6 +25,7 @@ from tuner.daemon._records import (
     PolicyFactory,
     ServerStatus,
     TickSummary,
+    _PoolKey,
     _Server,
 )
 from tuner.daemon._session import _Session
@@ -114,7 +115,7 @@ class Daemon(_Session, _Pusher, _PolicyBook, _HistoryWriter, _Holdout):
             else None
         )
         # by (model, arms): replicas of one model share; another model learns apart
-        self._pool_policies: dict[tuple[str | None, tuple[int, ...]], _PoolPolicy] = {}
+        self._pool_policies: dict[_PoolKey, _PoolPolicy] = {}
         self._pool_models: dict[str, str | None] = {}  # address -> model, to warn once
         self._pool_lock = threading.Lock()
         self._pool_cursor: int | None = None  # live pooling: last observation id read

@@ -10,7 +10,7 @@ from typing import Any
 
 from policies import BasePolicy, Buckets, PolicySnapshot
 from tuner.client import SGLangClient
-from tuner.protocol import DynspecState, Table
+from tuner.protocol import DynspecState, Table, TreeShape
 
 # Rows kept in memory while the database is unavailable (about 100 bytes each). Beyond this
 # the oldest observations are dropped, and counted, rather than exhausting memory.
@@ -95,6 +95,10 @@ class TickSummary:
     stored: bool  # the tick's rows (and any buffered ones) reached the database
 
 
+# A pool shares one policy among servers of one model, arms and draft tree.
+_PoolKey = tuple[str | None, tuple[int, ...], TreeShape | None]
+
+
 @dataclass
 class _Server:
     """Per-server state of the loop (private, mutable)."""
@@ -103,6 +107,7 @@ class _Server:
     client: SGLangClient
     mode: str = "connecting"
     arms: tuple[int, ...] = ()
+    tree: TreeShape | None = None  # the draft tree of a top-k > 1 server (its readout says)
     model: str | None = None  # served_model_name / model_path from /server_info
     fresh_history: bool = False  # the model changed: the next policy starts without history
     policy: BasePolicy | None = None

@@ -17,7 +17,14 @@ from tuner.errors import (
     ServerError,
     ServerUnavailableError,
 )
-from tuner.protocol import CounterRow, DynspecState, Table, counter_deltas, format_table
+from tuner.protocol import (
+    CounterRow,
+    DynspecState,
+    Table,
+    TreeShape,
+    counter_deltas,
+    format_table,
+)
 
 log = logging.getLogger("tuner.daemon")  # one logger name for the whole loop
 
@@ -75,11 +82,14 @@ class _Session:
             srv.sampler = None
             if self.metrics is not None:
                 self.metrics.set_plugin_loaded(srv.address, True)
-        if srv.policy is None or arms != srv.arms:
+        tree = states[0].tree
+        if srv.policy is None or arms != srv.arms or tree != srv.tree:
             if srv.policy is not None:
-                self._event(srv.address, now, "arms_changed", f"{srv.arms} -> {arms}")
+                was, now_is = _arms_text(srv.arms, srv.tree), _arms_text(arms, tree)
+                self._event(srv.address, now, "arms_changed", f"{was} -> {now_is}")
                 log.warning("%s: arms changed %s -> %s; rebuilding the policy",
-                            srv.address, srv.arms, arms)
+                            srv.address, was, now_is)
+            srv.tree = tree
             self._build_policy(srv, arms)
             srv.prev = None
             # Start the first decision one period from now, after seeing the server's own
@@ -254,3 +264,10 @@ class _Session:
         srv.next_attempt = -math.inf
         if self.metrics is not None:
             self.metrics.set_up(srv.address, True)
+
+
+def _arms_text(arms: tuple[int, ...], tree: TreeShape | None) -> str:
+    """``(0, 2)``, or ``(0, 2) (tree 4x2x16)`` on a tree server."""
+    if tree is None:
+        return str(arms)
+    return f"{arms} (tree {tree.topk}x{tree.steps}x{tree.draft_tokens})"
