@@ -4,12 +4,9 @@
 
 - **Acceptance** is a property of the requests, not of the batch size, so one estimate serves
   every bucket. Per arm ``k > 0`` the mean accepted drafts per request-step come straight
-  from the accepted/drafted counters (observable whenever ``k > 0``, no exploration needed),
-  each with the noise its own measurements' scatter says (diverse requests scatter more).
-  A chain model (``P(A ≥ i) = α^i δ^(i(i−1)/2)``, α fitted to those means) fills in arms
-  never run, plus a deviation per arm whose scale the measured arms' misfit decides
-  (:mod:`policies._acceptance_fit`): where acceptance is no chain (rising with depth, a
-  cliff), arms never run widen and get tried; where it is one, they stay tight.
+  from the accepted/drafted counters (observable whenever ``k > 0``, no exploration needed);
+  a chain model (``P(A ≥ i) = α^i δ^(i(i−1)/2)``, α fitted to those means) fills in arms
+  never run, and shrinks the noisy ones.
 - **Step time** ``T(b, k)`` per (bucket, arm) is the anchors' cost model (bilinear in ``b``
   and ``k``) plus each cell's deviation from it, a smooth field whose scale the measured
   cells' residuals decide (:mod:`policies._steptime`). Where the model fits (dense tables)
@@ -29,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from policies._acceptance_fit import AcceptancePosterior, ArmAcceptance, acceptance_posterior
+from policies._acceptance import expected_accepted
 from policies._base import ArmEstimate, Observation
 from policies._learning import LearnerParams, LearningPolicy, _require
 from policies._stats import ArmStats
@@ -55,12 +52,10 @@ __all__ = [
 # is scarce) and within a few seconds at hundreds.
 DEFAULT_ACCEPTANCE_MEMORY_REQUEST_STEPS = 100_000.0
 DEFAULT_ACCEPTANCE_MEMORY_STEPS = 5_000.0
-# ... and in busy seconds, whichever forgets faster. A server that runs a few decode steps a
-# second (a CPU server) would otherwise remember the old acceptance for many minutes. 30 s
-# cut it short where steps take 30-40 ms and requests differ (dev world 29: 92 % at four
-# requests, 94.7 % with 60 s, 98.6 % with 120 s); 60 s still follows the slow server's change
-# within 90 s (tests/test_policies_slow_server.py fails from 90 s).
-DEFAULT_ACCEPTANCE_MEMORY_S = 60.0
+# ... and in busy seconds, whichever forgets faster: what the two above mean at a GPU's
+# step rate. A server that runs a few decode steps a second (a CPU server) would otherwise
+# remember the old acceptance for many minutes.
+DEFAULT_ACCEPTANCE_MEMORY_S = 30.0
 # Request-steps per independent acceptance sample. A request keeps its α for its whole life,
 # so request-steps are not independent; but requests differ far less (α ~ Beta, κ ≈ 20)
 # than single steps do, and 30 matches the spread of per-window means in the simulator.
@@ -76,12 +71,6 @@ DEFAULT_SHIFT_Z = 3.0
 # Shift detector: the short acceptance memory (decode steps) and the evidence it needs.
 _FAST_GAMMA = 1.0 - 1.0 / 400.0
 _FAST_MIN_REQUEST_STEPS = 2_000.0
-# Step-time refits between two that weigh the field's whole grid, and the weight a grid
-# point needs at a full one to be weighed in between.
-_FULL_EVERY = 10
-_ACTIVE_WEIGHT = 0.01
-# Pseudo-observations behind the prior of an arm's acceptance noise (acceptance_corr).
-_NOISE_PRIOR_OBS = 2.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,19 +141,17 @@ class ModelPolicy(LearningPolicy):
             1.0 if math.isinf(p.acceptance_memory_steps)
             else 1.0 - 1.0 / p.acceptance_memory_steps
         )
-        # per arm k > 0, discounted: accepted drafts, request-steps, Σ request-steps · x²
-        # (x an observation's accepted drafts per request-step) and observations
-        self._acc = {k: [0.0, 0.0, 0.0, 0.0] for k in self.arms if k > 0}
+        # per arm k > 0: discounted accepted drafts and request-steps
+        self._acc = {k: [0.0, 0.0] for k in self.arms if k > 0}
         # The same with a short memory: when it disagrees clearly with the long one, the
         # workload changed, and the long memory restarts from it (detect and restart).
-        self._acc_fast = {k: [0.0, 0.0, 0.0, 0.0] for k in self.arms if k > 0}
+        self._acc_fast = {k: [0.0, 0.0] for k in self.arms if k > 0}
         # per bucket, per arm: discounted log step time (ArmStats over log seconds)
         self._time = [{k: ArmStats() for k in self.arms} for _ in range(len(self.buckets))]
         self._occ = [[0.0, 0.0] for _ in range(len(self.buckets))]  # discounted steps, steps*b
         self._pred: np.ndarray | None = None  # [bucket, arm] -> (mean, sd) of log goodput/req
-        self._comp: tuple[StepTimePosterior, AcceptancePosterior] | None = None
-        self._refits = 0
-        self._active: tuple[int, np.ndarray] | None = None  # (cells, grid points weighed)
+        self._comp: tuple[StepTimePosterior, dict[int, float], dict[int, float]] | None = None
+        self._alpha = (0.7, 0.3)  # chain-model α and its standard error
         # Each arm's place on the cost model's draft-token axis: k for a chain (verify k + 1
         # tokens), draft_tokens - 1 for an EAGLE tree's arm (set_verify_tokens). Priced as
         # a 2-deep chain, a 16-token tree looked no dearer than k = 0 at 256 requests, and
@@ -174,7 +161,7 @@ class ModelPolicy(LearningPolicy):
     def set_verify_tokens(self, tokens: Mapping[int, int]) -> None:
         super().set_verify_tokens(tokens)
         self._cost_k.update({k: n - 1 for k, n in tokens.items()})
-        self._comp = self._pred = self._active = None
+        self._comp = self._pred = None
 
     # --- learning -------------------------------------------------------------------------
 
@@ -196,40 +183,23 @@ class ModelPolicy(LearningPolicy):
             f = min(f, math.exp(-obs.busy_s / self.params.acceptance_memory_s))
             fast = _FAST_GAMMA**s
             for acc, quick in zip(self._acc.values(), self._acc_fast.values(), strict=True):
-                for i in range(4):
-                    acc[i] *= f
-                    quick[i] *= fast
-            x = obs.accepted_drafts / req_steps
+                acc[0] *= f
+                acc[1] *= f
+                quick[0] *= fast
+                quick[1] *= fast
             for table in (self._acc, self._acc_fast):
-                row = table[obs.k]
-                row[0] += obs.accepted_drafts
-                row[1] += req_steps
-                row[2] += req_steps * x * x
-                row[3] += 1.0
+                table[obs.k][0] += obs.accepted_drafts
+                table[obs.k][1] += req_steps
             self._detect_shift(obs.k)
         self._pred = None
         self._comp = None
 
-    def _arm_noise(self, k: int, row: list[float]) -> float:
-        """Variance of one request-step's accepted drafts at arm ``k``: the prior's
-        (``acceptance_corr``), or more where the arm's own measurements scatter more
-        (requests far more diverse than the prior's, acceptance that drifts). Never less: a
-        request keeps its acceptance across many intervals, so the scatter of intervals
-        understates how little a few requests say about the next ones."""
-        acc, rs, sq, n = row
-        prior = (k / 2) ** 2 * self.params.acceptance_corr
-        resid = max(sq - acc * acc / rs, 0.0) if rs > 0 else 0.0
-        measured = (_NOISE_PRIOR_OBS * prior + resid) / (_NOISE_PRIOR_OBS + max(n - 1.0, 0.0))
-        return max(prior, measured)
-
     def _detect_shift(self, k: int) -> None:
         p = self.params
-        slow, fast = self._acc[k], self._acc_fast[k]
-        (a_slow, rs_slow), (a_fast, rs_fast) = slow[:2], fast[:2]
+        (a_slow, rs_slow), (a_fast, rs_fast) = self._acc[k], self._acc_fast[k]
         if rs_fast < _FAST_MIN_REQUEST_STEPS or rs_slow <= rs_fast:
             return
         m_slow, m_fast = a_slow / rs_slow, a_fast / rs_fast
-        # The prior noise, not the measured: the long memory's spread also holds the change.
         sd = (k / 2) * math.sqrt(p.acceptance_corr / rs_fast + p.acceptance_corr / rs_slow)
         if abs(m_fast - m_slow) > p.shift_z * sd:
             for arm in self._acc:
@@ -253,15 +223,64 @@ class ModelPolicy(LearningPolicy):
         low, high = self.buckets.bounds(j)
         return (low + high) / 2 if high is not None else low * 1.25
 
-    def _acceptance(self) -> AcceptancePosterior:
-        """Log emitted tokens per request-step per arm (:mod:`policies._acceptance_fit`)."""
-        measured = []
-        for k, row in self._acc.items():
-            acc, rs = row[0], row[1]
+    def _acceptance(self) -> tuple[dict[int, float], dict[int, float]]:
+        """Mean accepted drafts per request-step, and its standard deviation, per arm."""
+        p = self.params
+        direct: dict[int, tuple[float, float]] = {}
+        for k, (acc, rs) in self._acc.items():
             if rs > 0:
                 m = min(max(acc / rs, 0.0), float(k))
-                measured.append(ArmAcceptance(k, m, math.sqrt(self._arm_noise(k, row) / rs)))
-        return acceptance_posterior(measured, self.arms, delta=self.params.chain_delta)
+                sd = (k / 2) * math.sqrt(p.acceptance_corr / rs)
+                direct[k] = (m, sd)
+        alpha, alpha_sd = self._fit_alpha(direct)
+        self._alpha = (alpha, alpha_sd)
+        mean, sd = {0: 0.0}, {0: 0.0}
+        for k in self.arms:
+            if k == 0:
+                continue
+            m_model = expected_accepted(alpha, p.chain_delta, k)
+            # Spread of the chain prediction: α's uncertainty, plus the model's own misfit.
+            hi = expected_accepted(min(alpha + alpha_sd, 1.0), p.chain_delta, k)
+            sd_model = max(hi - m_model, 0.0) + 0.05 * m_model + 1e-6
+            if k in direct:
+                m_d, sd_d = direct[k]
+                w_d, w_m = 1 / (sd_d * sd_d + 1e-12), 1 / (sd_model * sd_model)
+                mean[k] = (m_d * w_d + m_model * w_m) / (w_d + w_m)
+                sd[k] = math.sqrt(1 / (w_d + w_m))
+            else:
+                mean[k], sd[k] = m_model, sd_model
+        return mean, sd
+
+    def _fit_alpha(self, direct: dict[int, tuple[float, float]]) -> tuple[float, float]:
+        """Least-squares α of the chain model to the measured means (golden section)."""
+        if not direct:
+            return 0.7, 0.3  # nothing seen yet: a wide prior around typical EAGLE-3 chat
+        delta = self.params.chain_delta
+
+        def loss(a: float) -> float:
+            return sum(((m - expected_accepted(a, delta, k)) / sd) ** 2
+                       for k, (m, sd) in direct.items())
+
+        lo, hi = 0.0, 1.0
+        g = (math.sqrt(5) - 1) / 2
+        x1, x2 = hi - g * (hi - lo), lo + g * (hi - lo)
+        f1, f2 = loss(x1), loss(x2)
+        for _ in range(30):
+            if f1 < f2:
+                hi, x2, f2 = x2, x1, f1
+                x1 = hi - g * (hi - lo)
+                f1 = loss(x1)
+            else:
+                lo, x1, f1 = x1, x2, f2
+                x2 = lo + g * (hi - lo)
+                f2 = loss(x2)
+        alpha = (lo + hi) / 2
+        # Curvature of the loss gives α's standard error.
+        h = 1e-3
+        a0, a1, a2 = max(alpha - h, 0.0), alpha, min(alpha + h, 1.0)
+        curv = (loss(a2) - 2 * loss(a1) + loss(a0)) / (h * h)
+        sd = math.sqrt(2 / curv) if curv > 0 else 0.3
+        return alpha, min(sd, 0.3)
 
     def _step_times(self) -> StepTimePosterior:
         """Log step time per (bucket, arm): the cost model plus each cell's learned deviation
@@ -273,23 +292,18 @@ class ModelPolicy(LearningPolicy):
             for j, per_arm in enumerate(self._time) for k, t in per_arm.items() if t.seen
         ]
         rep = [self._rep_b(j) for j in range(len(self.buckets))]
-        # The field's scales and lengths settle slowly: all of them are weighed every
-        # _FULL_EVERY refits and whenever a cell is measured for the first time, and in
-        # between only those that kept weight (a few of the grid's 28; most of the cost).
-        full = (self._active is None or len(cells) != self._active[0]
-                or self._refits % _FULL_EVERY == 0)
-        post = step_time_posterior(cells, rep, [self._cost_k[k] for k in self.arms],
-                                   zero_arm_sd=p.zero_arm_sd,
-                                   active=None if full else self._active[1])
-        if full:
-            self._active = (len(cells), np.flatnonzero(post.grid_weights > _ACTIVE_WEIGHT))
-        self._refits += 1
-        return post
+        return step_time_posterior(cells, rep, [self._cost_k[k] for k in self.arms],
+                                   zero_arm_sd=p.zero_arm_sd)
 
-    def _components(self) -> tuple[StepTimePosterior, AcceptancePosterior]:
-        """``(log step time posterior, log emitted tokens posterior)``."""
+    def _components(self) -> tuple[StepTimePosterior, dict[int, float], dict[int, float]]:
+        """``(log step time posterior, E[emitted] mean per arm, its sd per arm)``."""
         if self._comp is None:
-            self._comp = (self._step_times(), self._acceptance())
+            mean, sd = self._acceptance()
+            self._comp = (
+                self._step_times(),
+                {k: 1.0 + mean[k] for k in self.arms},
+                {k: sd[k] for k in self.arms},
+            )
         return self._comp
 
     def _predictions(self) -> np.ndarray:
@@ -300,10 +314,12 @@ class ModelPolicy(LearningPolicy):
         acceptance, step time does not).
         """
         if self._pred is None:
-            t, acc = self._components()
-            pred = np.empty((*t.mean.shape, 2))
-            pred[..., 0] = acc.mean[None, :] - t.mean
-            pred[..., 1] = np.sqrt(acc.sd[None, :] ** 2 + t.sd**2)
+            t, em, em_sd = self._components()
+            pred = np.zeros((*t.mean.shape, 2))
+            for ai, k in enumerate(self.arms):
+                rel = em_sd[k] / em[k]
+                pred[:, ai, 0] = math.log(em[k]) - t.mean[:, ai]
+                pred[:, ai, 1] = np.sqrt(rel * rel + t.sd[:, ai] ** 2)
             self._pred = pred
         return self._pred
 
@@ -339,24 +355,37 @@ class ModelPolicy(LearningPolicy):
         early, where a measurement is worth most. Afterwards, posterior sampling."""
         p, st = self.params, self._state[j]
         if st.steps < p.young_steps and p.optimism > 0:
-            t, acc = self._components()
-            log_e = np.minimum(acc.mean + p.optimism * acc.sd, acc.cap)
-            values = log_e - (t.mean[j] - p.optimism * t.sd[j])
+            t, em, em_sd = self._components()
+            values = []
+            for ai, arm in enumerate(self.arms):
+                lt = t.mean[j, ai] - p.optimism * t.sd[j, ai]
+                e = min(em[arm] + p.optimism * em_sd[arm], 1.0 + arm)
+                values.append(math.log(e) - lt)
             ai = max(range(len(self.arms)), key=lambda i: (values[i], -self.arms[i]))
             return self.arms[ai]
         return self._sample(j, greedy)
 
     def _sample(self, j: int, greedy: int) -> int:
-        """One joint posterior draw of every arm's acceptance (shared by all buckets: an arm
-        cannot look better through acceptance the others do not share) and of the bucket's
-        step times (drawn jointly for the same reason); the best draw runs."""
-        t, acc = self._components()
-        scale = self.params.sample_scale
-        log_e = acc.mean + scale * (acc.draw(self._rng) - acc.mean)
-        log_t = t.mean[j] + scale * (t.draw(j, self._rng) - t.mean[j])
-        draws = log_e - log_t
-        best = int(np.argmax(draws))
-        return self.arms[best] if np.isfinite(draws[best]) else greedy
+        """One posterior draw per arm. Acceptance is one quantity for all arms: one draw of
+        the chain model's α moves every arm's emitted tokens together (so an arm cannot look
+        better through acceptance that the others do not share), and never past ``k + 1``.
+        Step times are drawn jointly per bucket for the same reason."""
+        t, em, em_sd = self._components()
+        p = self.params
+        scale, gauss = p.sample_scale, self._rng.gauss
+        alpha, alpha_sd = self._alpha
+        drawn = min(max(alpha + scale * alpha_sd * gauss(0, 1), 0.0), 1.0)
+        log_t = t.draw(j, self._rng)
+        best_arm, best_draw = greedy, -math.inf
+        for ai, arm in enumerate(self.arms):
+            shift = (expected_accepted(drawn, p.chain_delta, arm)
+                     - expected_accepted(alpha, p.chain_delta, arm))
+            e = min(max(em[arm] + shift, 1.0), 1.0 + arm)
+            lt = t.mean[j, ai] + scale * (float(log_t[ai]) - t.mean[j, ai])
+            draw = math.log(e) - lt
+            if draw > best_draw:
+                best_arm, best_draw = arm, draw
+        return best_arm
 
     def _estimates(self) -> tuple[ArmEstimate, ...]:
         if not any(st.steps for st in self._state):

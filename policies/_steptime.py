@@ -48,11 +48,9 @@ __all__ = [
 # prior weight: from "the model is exact" to "it says little".
 DEFAULT_DEVIATION_GRID: tuple[float, ...] = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32)
 # Correlation lengths of the deviation field tried (every combination with the scales):
-# in doublings of the batch size, and in k. Short in k: with a length of 16 the field moved
-# every arm with the one arm measured at 256 requests, and a verify of b·(k+1) tokens turns
-# compute-bound at different b for each k (dev worlds 5 and 36 fell to 85-88 % there).
+# in doublings of the batch size, and in k.
 DEFAULT_FIELD_LENGTHS_B: tuple[float, ...] = (1.0, 4.0)
-DEFAULT_FIELD_LENGTHS_K: tuple[float, ...] = (1.0, 2.0)
+DEFAULT_FIELD_LENGTHS_K: tuple[float, ...] = (2.0, 16.0)
 # Prior spread of k = 0's own intercept relative to the typical step: until k = 0 runs
 # somewhere, its step time is the k > 0 arms' trend carried to k = 0 within about this much.
 DEFAULT_ZERO_ARM_SD = 0.15
@@ -93,15 +91,12 @@ class StepTimePosterior:
         tau: posterior mean of the deviation scale ``τ`` (how far the data say the cost
             model is off; small on dense tables).
         theta: the cost model's fitted parameters (None without data).
-        grid_weights: posterior weight of every (scale, length in b, length in k) of the
-            grid, scale-major (0 where not evaluated).
     """
 
     mean: np.ndarray
     sd: np.ndarray
     tau: float
     theta: np.ndarray | None
-    grid_weights: np.ndarray
     _weights: tuple[float, ...]
     _means: np.ndarray  # [grid, bucket, arm]
     _chols: np.ndarray  # [grid, bucket, arm, arm]
@@ -185,7 +180,6 @@ def step_time_posterior(
     lengths_b: Sequence[float] = DEFAULT_FIELD_LENGTHS_B,
     lengths_k: Sequence[float] = DEFAULT_FIELD_LENGTHS_K,
     zero_arm_sd: float = DEFAULT_ZERO_ARM_SD,
-    active: Sequence[int] | None = None,
 ) -> StepTimePosterior:
     """The posterior of every (bucket, arm) cell's log step time at ``rep_b[bucket]``.
 
@@ -197,18 +191,13 @@ def step_time_posterior(
         lengths_b, lengths_k: ... and correlation lengths of the deviation field (doublings
             of b; k), every combination.
         zero_arm_sd: prior spread of k = 0's own intercept, relative to the typical step.
-        active: indices into the grid's combinations (scale-major, as
-            :attr:`StepTimePosterior.grid_weights`) to evaluate; None = all. A caller that
-            updates often evaluates only those a recent full evaluation left weight on.
     """
     nb, na = len(rep_b), len(arms)
     if not cells:
         mean = np.full((nb, na), math.log(0.01))
         sd = np.full((nb, na), _MAX_SD)
         chol = np.broadcast_to(np.eye(na) * _MAX_SD, (1, nb, na, na))
-        n = len(grid) * len(lengths_b) * len(lengths_k)
-        return StepTimePosterior(mean, sd, float(grid[-1]), None, np.full(n, 1.0 / n),
-                                 (1.0,), mean[None], chol)
+        return StepTimePosterior(mean, sd, float(grid[-1]), None, (1.0,), mean[None], chol)
     theta, cov_theta = _fit(cells, zero_arm_sd)
     y_all = np.array([c.log_t for c in cells])
     t_lo, t_hi = math.exp(float(y_all.min())) * 0.3, math.exp(float(y_all.max())) * 10.0
@@ -235,9 +224,7 @@ def step_time_posterior(
     xk = np.tile(np.asarray(arms, dtype=float), nb)
     db = np.abs(xb[:, None] - xb[None, idx])  # [all, measured]
     dk = np.abs(xk[:, None] - xk[None, idx])
-    every = [(t, lb, lk) for t in grid for lb in lengths_b for lk in lengths_k]
-    chosen = list(range(len(every))) if active is None else sorted(set(active))
-    hyper = [every[i] for i in chosen]
+    hyper = [(t, lb, lk) for t in grid for lb in lengths_b for lk in lengths_k]
     tau2 = np.array([h[0] ** 2 for h in hyper])[:, None, None]
     lb = np.array([h[1] for h in hyper])[:, None, None]
     lk = np.array([h[2] for h in hyper])[:, None, None]
@@ -268,9 +255,7 @@ def step_time_posterior(
     sd = np.sqrt(np.maximum(second - mean * mean, 0.0))
     keep = w > 1e-6  # components the data have ruled out are not drawn from
     weights = w[keep] / w[keep].sum()
-    full = np.zeros(len(every))
-    full[chosen] = w
     return StepTimePosterior(
-        mean, sd, float(w @ np.array([h[0] for h in hyper])), theta, full,
+        mean, sd, float(w @ np.array([h[0] for h in hyper])), theta,
         tuple(float(x) for x in weights), m[keep], chols[keep],
     )

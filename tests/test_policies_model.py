@@ -105,11 +105,10 @@ def _run_mid_batch(step: Callable[[int, int], float], seed: int
 def test_a_deep_draft_the_cost_model_rules_out_is_tried_where_the_model_misfits(seed):
     # On the MoE surface k = 7 loses at one request (where it was measured) and wins at 16;
     # a bilinear cost model carries the first to the second. The cells' misfit widens the
-    # unmeasured k = 7 at b = 16 (each arm's deviation its own, near arms alike): it runs,
-    # and wins.
+    # unmeasured k = 7 at b = 16: it is tried, and wins.
     assert surface_best(moe_step_s, 1) == 3 and surface_best(moe_step_s, 16) == 7
-    p, _, chosen = _run_mid_batch(moe_step_s, seed)
-    assert chosen.count(7) >= 100
+    p, first, chosen = _run_mid_batch(moe_step_s, seed)
+    assert first != 7 and 7 in chosen
     assert p.snapshot().chosen[Buckets().index(16)] == 7
 
 
