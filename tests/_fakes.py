@@ -1,9 +1,18 @@
-"""Fakes the tests share: a clock that moves only when told, and a simulated SGLang server on a
-loopback port whose virtual time moves only when a test steps it."""
+"""Fakes the tests share: a clock that moves only when told, a simulated SGLang server on a
+loopback port whose virtual time moves only when a test steps it, and Ctrl-C for a child."""
 
 from __future__ import annotations
 
+import signal
+
 from tuner.sim.server import SimServer
+
+
+def interruptible() -> None:
+    """``preexec_fn`` for a child a test stops with Ctrl-C: SIGINT back to its default. A
+    shell starts background jobs with SIGINT ignored, children inherit that, and Python then
+    never raises KeyboardInterrupt (the suite run from ``nohup ... &`` failed so)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 class FakeClock:

@@ -10,6 +10,7 @@ import sys
 import httpx
 import pytest
 
+from tests._fakes import interruptible
 from tuner.cli import main
 
 
@@ -19,6 +20,7 @@ def test_sim_serves_until_interrupted():
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
+        preexec_fn=interruptible,
     )
     try:
         assert proc.stdout is not None

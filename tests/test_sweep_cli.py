@@ -9,6 +9,7 @@ import socket
 import optuna
 
 from storage import Storage
+from tests._fakes import interruptible
 from tuner import policyfile
 from tuner.cli import main
 from tuner.client import SGLangClient
@@ -129,7 +130,7 @@ def test_ctrl_c_stops_cleanly_keeps_the_windows_and_restores_the_table(tmp_path)
              "--concurrency", "1,2,4,8", "--max-tokens", "32", "--per-level", "0.6",
              "--warmup", "0.1", "--db", f"sqlite:///{tmp_path / 's.db'}", "--out", str(out)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "COLUMNS": "200"},
+            env={**os.environ, "COLUMNS": "200"}, preexec_fn=interruptible,
         )
         assert proc.stderr is not None
         # Wait for two finished windows (their lines), then press Ctrl-C.
