@@ -32,7 +32,12 @@ def test_sim_serves_until_interrupted():
         assert dynspec["arms"] == [0, 1, 3, 5] and info["max_running_requests"] == 48
     finally:
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=20)
+        try:
+            out, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # never leave a simulator serving after the test
+            proc.communicate()
+            raise
     assert proc.returncode == 0
     assert "stopped after" in out
 
