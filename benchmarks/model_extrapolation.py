@@ -44,7 +44,8 @@ def main() -> None:
             j = pol.buckets.index(b)
             print(f"  k = 0 run up to b={k0_up_to:3d}; at b={b:3d}: predicted "
                   f"{math.exp(post.mean[j, 0]) * 1e3:6.1f} ms (log-sd {post.sd[j, 0]:.2f}), "
-                  f"table {prof.step_s(b, 0) * 1e3:6.1f} ms; tree {tree.step_s(prof, b) * 1e3:6.1f} ms")
+                  f"table {prof.step_s(b, 0) * 1e3:6.1f} ms; "
+                  f"tree {tree.step_s(prof, b) * 1e3:6.1f} ms")
 
 
 if __name__ == "__main__":
