@@ -13,7 +13,7 @@ import hmac
 import logging
 import math
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 from typing import Any
 
@@ -51,9 +51,7 @@ class SGLangEndpoints:
     model_name: str
     admin_api_key: str | None
     settable: dict[str, Any]
-
-    def server_args(self) -> dict[str, Any]:  # defined by SimServer
-        raise NotImplementedError
+    server_args: Callable[[], dict[str, Any]]
 
     def _health(self, req: HttpRequest) -> HttpResponse:
         return HttpResponse(200, b"", "text/plain")
