@@ -35,6 +35,7 @@ __all__ = [
     "format_table",
     "has_dynspec_keys",
     "lookup",
+    "sglang_start_arm",
     "table_from_json",
     "table_to_json",
     "validate_table",
@@ -139,6 +140,14 @@ def lookup(table: Table, batch_size: int) -> int:
         if bound is None or batch_size <= bound:
             return k
     return table[-1][1]
+
+
+def sglang_start_arm(arms: Iterable[int]) -> int:
+    """The step SGLang starts on without ``--speculative-num-steps``: the middle of the sorted
+    candidate steps (``union[len // 2]``; sglang-integration.md, "Resolution"). A server's
+    table before any update is this arm everywhere."""
+    ordered = sorted(set(arms))
+    return ordered[len(ordered) // 2]
 
 
 def format_table(table: Table) -> str:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from policies import Buckets, Observation, make_policy, sum_by_arm
 from tuner.gain import Z95, ArmValue, BucketValues, Gain, estimate_gain, table_arm
+from tuner.protocol import sglang_start_arm
 from tuner.report import ServerReport, always_arm, summarize
 from tuner.switchback import t975
 
@@ -187,9 +188,8 @@ def server_gains(
     values = _values(s, model)
     start = _start_table(storage, s.server, until)
     assumed = start is None
-    if start is None:  # SGLang starts on the middle candidate step, union[len // 2]
-        ordered = sorted(s.arms)
-        start = ((None, ordered[len(ordered) // 2]),)
+    if start is None:  # SGLang's startup step everywhere
+        start = ((None, sglang_start_arm(s.arms)),)
     bases = {"start": start}
     if 0 in s.arms:
         bases["k0"] = ((None, 0),)

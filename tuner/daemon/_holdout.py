@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from policies import Buckets, Observation
 from tuner.config import TunerConfig
 from tuner.daemon._records import _Server
-from tuner.protocol import Table, format_table
+from tuner.protocol import Table, format_table, sglang_start_arm
 from tuner.switchback import Pair, Schedule, SwitchbackGain, Window, estimate
 
 log = logging.getLogger("tuner.daemon")  # one logger name for the whole loop
@@ -59,8 +59,7 @@ class HoldoutState:
 
 def startup_table(arms: Sequence[int]) -> Table:
     """SGLang's startup step everywhere: the middle candidate, ``union[len // 2]``."""
-    ordered = sorted(arms)
-    return ((None, ordered[len(ordered) // 2]),)
+    return ((None, sglang_start_arm(arms)),)
 
 
 class _Holdout:

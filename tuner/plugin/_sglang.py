@@ -46,6 +46,7 @@ from tuner.protocol import (
     ProtocolError,
     format_table,
     has_dynspec_keys,
+    sglang_start_arm,
 )
 
 __all__ = [
@@ -143,7 +144,7 @@ def _default_arm(arms: tuple[int, ...], initial_steps: int) -> int:
     # changes nothing until a table arrives.
     if initial_steps in arms:
         return initial_steps
-    return arms[len(arms) // 2]
+    return sglang_start_arm(arms)
 
 
 def _new_core(arms: list[int], initial_steps: int, env: Mapping[str, str]) -> PluginCore:

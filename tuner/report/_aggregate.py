@@ -28,6 +28,7 @@ from tuner.report._model import (
     VersionEntry,
     _t975,
 )
+from tuner.protocol import sglang_start_arm
 
 if TYPE_CHECKING:
     from storage import EventRecord, ObservationMoments, PolicyVersionRecord, ServerRecord, Storage
@@ -98,11 +99,10 @@ def always_arm(arms: Sequence[int]) -> int | None:
     starts at ``union[len // 2]`` of the candidate steps; if that is 0, the smallest positive
     arm. None when no arm drafts.
     """
-    ordered = sorted(set(arms))
-    positive = [a for a in ordered if a > 0]
+    positive = sorted(a for a in set(arms) if a > 0)
     if not positive:
         return None
-    pick = ordered[len(ordered) // 2]
+    pick = sglang_start_arm(arms)
     return pick if pick > 0 else positive[0]
 
 

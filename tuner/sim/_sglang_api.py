@@ -13,10 +13,11 @@ import hmac
 import logging
 import math
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
+from tuner.protocol import sglang_start_arm
 from tuner.sim._http import HttpRequest, HttpResponse, bad_request, json_body
 from tuner.sim._prometheus import prometheus_text
 from tuner.sim.engine import Engine
@@ -33,13 +34,6 @@ SGLANG_SETTABLE = {
     "speculative_accept_threshold_single": 1.0,
     "speculative_accept_threshold_acc": 1.0,
 }
-
-def sglang_start_arm(arms: Iterable[int]) -> int:
-    """The step SGLang starts on without --speculative-num-steps: the middle of the sorted
-    candidate steps (``union[len // 2]``; sglang-integration.md, "Resolution")."""
-    ordered = sorted(set(arms))
-    return ordered[len(ordered) // 2]
-
 
 class SGLangEndpoints:
     """Handlers for SGLang's informational and admin endpoints (a :class:`SimServer` mixin)."""
