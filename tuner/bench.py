@@ -11,6 +11,14 @@ at the *expected* goodput of ``k`` at ``b`` (:func:`tuner.sim.oracle.expected_go
 the oracle's at the best arm's. "% of oracle" of a load phase is the ratio of the two sums
 over the phase, with and without its first ``warmup_s`` seconds.
 
+Beside that per-bucket oracle stands the per-step oracle (:mod:`tuner.sim._step_oracle`),
+which picks each step's arm for the very requests in it, knowing each one's acceptance. Its
+busy time counts at the per-bucket oracle's expected goodput times the ratio of the two
+oracles' expected goodputs over the steps the run took at that batch size in that reading
+(each step's expectation given its requests' acceptance rows): the batches that happened to
+run weigh both oracles alike, so their luck cancels and the ratio — the headroom — is never
+below one. "% of step oracle" is the policy's sum over that one.
+
 Per run and load phase the bench reports: % of oracle (after warm-up and including it),
 tokens lost to exploration (time spent off the greedy arm, at the greedy arm's goodput minus
 the explored arm's), table switches, and p50/p99 time per output token of the requests that
@@ -125,7 +133,9 @@ class BucketConvergence:
 
 @dataclass(frozen=True)
 class PhaseResult:
-    """One load phase of one run. Percentages are of the oracle, in [0, 100]."""
+    """One load phase of one run. Percentages are of the per-bucket oracle, in [0, 100], and
+    ``pct_step_oracle*`` of the per-step oracle; the headroom of the per-step oracle over the
+    per-bucket one is ``step_oracle_goodput / oracle_goodput``."""
 
     index: int
     start_s: float
@@ -142,6 +152,14 @@ class PhaseResult:
     switches: int
     tpot_p50_ms: float
     tpot_p99_ms: float
+    pct_step_oracle: float = math.nan  # after warm-up
+    pct_step_oracle_all: float = math.nan  # including warm-up
+    step_oracle_goodput: float = math.nan  # whole phase
+
+    @property
+    def step_headroom(self) -> float:
+        """The per-step oracle's goodput over the per-bucket oracle's, whole phase."""
+        return self.step_oracle_goodput / self.oracle_goodput
 
 
 @dataclass(frozen=True)
@@ -163,6 +181,8 @@ class RunResult:
     final_table: Table
     notes: tuple[str, ...]
     wall_s: float
+    pct_step_oracle: float = math.nan
+    pct_step_oracle_all: float = math.nan
 
     @property
     def worst_convergence_s(self) -> float:
@@ -262,6 +282,8 @@ class _PhaseAcc:
     busy_w: float = 0.0
     got_w: float = 0.0
     best_w: float = 0.0
+    step: float = 0.0  # the per-step oracle's expected tokens
+    step_w: float = 0.0
     emitted: int = 0
     explore_lost: float = 0.0
     switches: int = 0
@@ -401,6 +423,11 @@ def run_one(
     def best(b: int, mix: int, t: float) -> float:
         return max(good(b, k, mix, t) for k in arms)
 
+    # Per batch size, the per-step oracle's goodput over the per-bucket oracle's on the steps
+    # last read (telemetry commits a step one step late: a row may carry a step read before).
+    headroom: dict[int, float] = {}
+    oracle_arms = engine.step_oracle.arms
+
     accs = [_PhaseAcc(s, e, c) for s, e, c in phases]
     tracks = [_BucketTrack() for _ in range(len(buckets))]
     version = 0
@@ -436,6 +463,12 @@ def run_one(
         mix = mix_at(mid)
         acc = next((a for a in accs if a.start <= mid < a.end), accs[-1])
         after_warmup = mid >= acc.start + warmup_s
+        for b, sums in engine.step_oracle.take().items():
+            # The per-bucket oracle's arm (the first best, as oracle_arm breaks ties).
+            ref = max(range(len(oracle_arms)), key=lambda i: (good(b, oracle_arms[i], mix, mid),
+                                                               -i))
+            if sums.arm_tokens[ref] > 0:
+                headroom[b] = max(sums.best_tokens / sums.arm_tokens[ref], 1.0)
         rows = core.state().counters
         obs: list[Observation] = []
         per_bucket: dict[int, list[tuple[int, float]]] = {}
@@ -448,12 +481,15 @@ def run_one(
             acc.busy += busy
             acc.got += busy * g_run
             acc.best += busy * g_best
+            g_step = g_best * headroom.get(row.b, 1.0)
+            acc.step += busy * g_step
             acc.emitted += emitted
             total_tokens += busy * g_run
             if after_warmup:
                 acc.busy_w += busy
                 acc.got_w += busy * g_run
                 acc.best_w += busy * g_best
+                acc.step_w += busy * g_step
             k_greedy = lookup(greedy_table, engine.padded(row.b))
             if row.k != k_greedy:
                 acc.explore_lost += busy * (good(row.b, k_greedy, mix, mid) - g_run)
@@ -506,6 +542,8 @@ def run_one(
             measured_goodput=a.emitted / a.busy if a.busy else math.nan,
             decode_busy_s=a.busy, explore_tokens_lost=a.explore_lost, switches=a.switches,
             tpot_p50_ms=stats.tpot_p50_s * 1e3, tpot_p99_ms=stats.tpot_p99_s * 1e3,
+            pct_step_oracle=_pct(a.got_w, a.step_w), pct_step_oracle_all=_pct(a.got, a.step),
+            step_oracle_goodput=a.step / a.busy if a.busy else math.nan,
         ))
     lost = sum(a.explore_lost for a in accs)
     return RunResult(
@@ -519,6 +557,8 @@ def run_one(
         final_table=pol.greedy() if pol is not None else observed_table(),
         notes=pol.snapshot().notes if pol is not None else (),
         wall_s=time.perf_counter() - wall0,
+        pct_step_oracle=_pct(sum(a.got_w for a in accs), sum(a.step_w for a in accs)),
+        pct_step_oracle_all=_pct(sum(a.got for a in accs), sum(a.step for a in accs)),
     )
 
 

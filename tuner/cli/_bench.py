@@ -158,6 +158,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                 f"{sum(tp50) / len(tp50):.1f}/{max(tp99):.1f}" if tp50 else "-",
             ])
         show(rows)
+        # The per-step oracle's headroom over the per-bucket one, on one run's batches.
+        ref = next((r for r in runs if r.policy == DEFAULT_POLICY), runs[0])
+        room = "  ".join(f"{pct(100.0 * (ph.step_headroom - 1.0))}" for ph in ref.phases)
+        console.print(f"per-step oracle headroom, % per phase ({ref.policy}'s batches): {room}",
+                      markup=False, soft_wrap=True)
 
     console.print("\nper policy over every run (% of oracle; slowest bucket = traffic seconds "
                   "to converge, or spent unconverged)", markup=False, soft_wrap=True)

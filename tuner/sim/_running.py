@@ -41,6 +41,8 @@ class RunningRows:
         self._cold = np.zeros((capacity, kmax), dtype=np.float64)  # same, stale draft state
         self._stale = np.zeros(capacity, dtype=bool)
         self._shaped = ShapedRows(capacity, kmax, cold_factor)
+        # Bumped whenever a running request's row changes: the step oracle's cache key.
+        self.version = 0
 
     def admit(self, n0: int, admit: list[Request]) -> bool:
         """``admit`` (just prefilled, first token out) take rows ``n0..``; True when one of
@@ -55,17 +57,36 @@ class RunningRows:
         self._stale[n0 : n0 + m] = False
         self._shaped.admit(n0, admit, self._surv, self._cold)
         self.rem[n0 : n0 + m] = [r.output_tokens - 1 for r in admit]
+        self.version += 1
         return bool((self.rem[n0 : n0 + m] <= 0).any())
 
     def draft_step(self, n: int, k: int) -> int:
         """The first ``n`` requests run a step at arm ``k`` > 0; returns the drafts accepted."""
-        if self._shaped.drifting:
-            self._shaped.refresh(n, self.rem, self._surv, self._cold, self._stale)
+        self.sync(n)
         acc = self._draw(n, k)
         rem = self.rem[:n]
         rem -= acc
         rem -= 1
         return int(acc.sum())
+
+    def sync(self, n: int) -> None:
+        """Bring drifting requests' rows to their progress (a no-op without drift; idempotent,
+        so the step oracle may call it before a step that does not draft)."""
+        if self._shaped.drifting:
+            self._shaped.refresh(n, self.rem, self._surv, self._cold, self._stale)
+            self.version += 1
+
+    def expected_drafts(self, n: int, arms: tuple[int, ...]) -> np.ndarray:
+        """Per arm, the drafts the first ``n`` requests accept in expectation in one step
+        (``Σ_i Σ_{j≤k} P(A_i ≥ j)``, the tree's lifted rows at its arm): what each arm would
+        emit beyond one token per request, given every request's own acceptance now."""
+        surv = self._surv[:n]
+        cum = np.concatenate(([0.0], np.cumsum(surv.sum(axis=0))))
+        out = cum[list(arms)]
+        tree = self._tree
+        if tree is not None and tree.steps in arms:
+            out[arms.index(tree.steps)] = tree.lift_survival(surv[:, : tree.steps]).sum()
+        return out
 
     def _draw(self, n: int, k: int) -> np.ndarray:
         """Accepted drafts of each of the first ``n`` requests in one step at arm ``k``.
@@ -89,6 +110,7 @@ class RunningRows:
                 fresh = ~stale
                 self._surv[:n][fresh] = self._cold[:n][fresh]
                 stale[:] = True
+                self.version += 1
 
     def done(self, n: int) -> np.ndarray:
         """Indices among the first ``n`` of the requests with nothing left to emit."""
@@ -100,3 +122,4 @@ class RunningRows:
         for col in (self.rem, self._surv, self._cold, self._stale):
             col[:m] = col[:n][keep]
         self._shaped.compact(keep, n)
+        self.version += 1

@@ -58,6 +58,10 @@ class StepCosts:
         """The CUDA-graph batch size a decode of ``b`` requests runs at."""
         return self.pad[b] if b < len(self.pad) else pad_batch_size(b, self.graph_bs)
 
+    def expected_s(self, pb: int, k: int) -> float:
+        """Expected (noise-free) time of a decode step padded to ``pb`` at arm ``k``."""
+        return self._cost[(pb, k)]
+
     def step_s(self, n: int, pb: int, k: int) -> float:
         """Time of one decode step of ``n`` requests (padded to ``pb``) at arm ``k``."""
         dt = self._cost.get((pb, k))

@@ -25,6 +25,9 @@ What one iteration does, as SGLang 0.5.23's scheduler does it:
   With ``skip_zero_draft_extend`` (``SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1``) the extend is
   skipped and every request that decoded at ``k = 0`` drafts from stale state afterwards: its
   α is multiplied by ``cold_factor`` until it finishes (anchors §3.5 (c)).
+- **Per-step oracle.** Each decode step also tells :attr:`Engine.step_oracle` (a
+  :class:`~tuner.sim._step_oracle.StepOracle`) its batch, arm and time; it keeps what every arm,
+  and each step's best arm for the very requests running, would have yielded in expectation.
 - **Telemetry** goes through ``core.record_decode`` exactly as the plugin's hook does: with the
   overlap scheduler, step N's result is processed after step N+1 launched, and it is recorded
   with the arm N was *launched* with, its launch time and its forward counter.
@@ -48,6 +51,7 @@ from tuner.sim._counters import EngineCounters
 from tuner.sim._requests import Request, RequestLog, RequestStats
 from tuner.sim._running import RunningRows
 from tuner.sim._step_cost import StepCosts
+from tuner.sim._step_oracle import StepOracle
 from tuner.sim.graphs import cuda_graph_bs
 from tuner.sim.load import Load, NoLoad
 from tuner.sim.profiles import CostProfile, load_profile
@@ -176,6 +180,9 @@ class Engine:
         self._rows = self._rows_class(
             self.max_running, kmax, self.cold_factor, tree, np.random.default_rng(acc_ss)
         )
+        # Each step's best arm for its own requests, beside the per-bucket oracle (the bench
+        # takes its sums; it draws nothing, so it changes no run).
+        self.step_oracle = StepOracle(self.arms, self._costs.expected_s)
 
         self.now = 0.0
         self.counters = EngineCounters()
@@ -351,6 +358,7 @@ class Engine:
         self._forward_iter = fi + 1
         self._flush()
         rows = self._rows
+        self.step_oracle.step(rows, n, pb, k, dt)
         if k > 0:
             accepted = rows.draft_step(n, k)
         else:
