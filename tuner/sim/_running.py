@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import numpy as np
 
 from tuner.sim._requests import Request
@@ -76,16 +78,17 @@ class RunningRows:
             self._shaped.refresh(n, self.rem, self._surv, self._cold, self._stale)
             self.version += 1
 
-    def expected_drafts(self, n: int, arms: tuple[int, ...]) -> np.ndarray:
+    def expected_drafts(self, n: int, arms: tuple[int, ...]) -> list[float]:
         """Per arm, the drafts the first ``n`` requests accept in expectation in one step
         (``Σ_i Σ_{j≤k} P(A_i ≥ j)``, the tree's lifted rows at its arm): what each arm would
         emit beyond one token per request, given every request's own acceptance now."""
         surv = self._surv[:n]
-        cum = np.concatenate(([0.0], np.cumsum(surv.sum(axis=0))))
-        out = cum[list(arms)]
+        # One numpy call, then plain floats: a handful of arms, computed most steps.
+        cum = [0.0, *accumulate(surv.sum(axis=0).tolist())]
+        out = [cum[k] for k in arms]
         tree = self._tree
         if tree is not None and tree.steps in arms:
-            out[arms.index(tree.steps)] = tree.lift_survival(surv[:, : tree.steps]).sum()
+            out[arms.index(tree.steps)] = float(tree.lift_survival(surv[:, : tree.steps]).sum())
         return out
 
     def _draw(self, n: int, k: int) -> np.ndarray:

@@ -21,8 +21,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
-
 __all__ = ["StepOracle", "StepOracleSums"]
 
 
@@ -31,7 +29,7 @@ class _Rows(Protocol):
 
     def sync(self, n: int) -> None: ...
 
-    def expected_drafts(self, n: int, arms: tuple[int, ...]) -> np.ndarray: ...
+    def expected_drafts(self, n: int, arms: tuple[int, ...]) -> list[float]: ...
 
 
 @dataclass(frozen=True)
@@ -55,6 +53,10 @@ class StepOracleSums:
 class StepOracle:
     """Per decode step, every arm's expected goodput for the batch that runs.
 
+    Plain floats rather than numpy past the one column sum: a handful of arms, recomputed at
+    nearly every step of a large batch (some request joins or leaves), where numpy's per-call
+    cost would dominate.
+
     Args:
         arms: the arms the server built.
         step_s: expected (noise-free) time of a step padded to ``pb`` at arm ``k``.
@@ -64,12 +66,12 @@ class StepOracle:
         self.arms = tuple(sorted(set(arms)))
         self._index = {k: i for i, k in enumerate(self.arms)}
         self._step_s = step_s
-        self._inv_cost: dict[int, np.ndarray] = {}
-        self._sums: dict[int, np.ndarray] = {}  # b -> [busy, arm tokens..., best, ran]
+        self._inv_cost: dict[int, list[float]] = {}
+        self._sums: dict[int, list[float]] = {}  # b -> [busy, arm tokens..., best, ran]
         # The batch being accumulated: its cache key, arm values and best, the arm it runs
         # and the busy seconds not yet added to the sums.
         self._key: tuple[int, int, int] | None = None
-        self._values = np.zeros(len(self.arms))
+        self._values: list[float] = [0.0] * len(self.arms)
         self._best = 0.0
         self._b = 0
         self._k = -1
@@ -81,39 +83,38 @@ class StepOracle:
         rows.sync(n)
         key = (n, pb, rows.version)
         if key != self._key:
-            self._flush()
+            if self._w:
+                self._flush()
             self._key = key
             inv = self._inv_cost.get(pb)
             if inv is None:
-                inv = self._inv_cost[pb] = 1.0 / np.array([self._step_s(pb, a)
-                                                           for a in self.arms])
-            self._values = (n + rows.expected_drafts(n, self.arms)) * inv
-            self._best = float(self._values.max())
+                inv = self._inv_cost[pb] = [1.0 / self._step_s(pb, a) for a in self.arms]
+            drafts = rows.expected_drafts(n, self.arms)
+            self._values = values = [(n + d) * c for d, c in zip(drafts, inv, strict=True)]
+            self._best = max(values)
             self._b = n
-        elif k != self._k:
+        elif k != self._k and self._w:
             self._flush()
         self._k = k
         self._w += dt
 
     def _flush(self) -> None:
         w = self._w
-        if w <= 0.0:
-            return
         s = self._sums.get(self._b)
         if s is None:
-            s = self._sums[self._b] = np.zeros(len(self.arms) + 3)
+            s = self._sums[self._b] = [0.0] * (len(self.arms) + 3)
         s[0] += w
-        s[1:-2] += w * self._values
+        for i, v in enumerate(self._values, 1):
+            s[i] += w * v
         s[-2] += w * self._best
         s[-1] += w * self._values[self._index[self._k]]
         self._w = 0.0
 
     def take(self) -> dict[int, StepOracleSums]:
         """The sums per batch size since the last call; they start again from zero."""
-        self._flush()
-        out = {
-            b: StepOracleSums(float(s[0]), tuple(s[1:-2].tolist()), float(s[-2]), float(s[-1]))
-            for b, s in self._sums.items()
-        }
+        if self._w:
+            self._flush()
+        out = {b: StepOracleSums(s[0], tuple(s[1:-2]), s[-2], s[-1])
+               for b, s in self._sums.items()}
         self._sums = {}
         return out
