@@ -46,19 +46,52 @@ def read_pairs(storage: Storage, server: str, *, since: float | None = None,
 
 def server_switchback(storage: Storage, server: str, *, since: float | None = None,
                       until: float | None = None) -> SwitchbackGain | None:
-    """The measured gain over the window's pairs, and its cost over the blocks they were
-    drawn in (whole blocks: one pair each); None when the history has no pair."""
+    """The measured gain over the window's pairs, and its cost over the experiment's span:
+    from its start to the end of its last pair's block, skipped and void blocks included, with
+    every baseline window in it (those of void pairs too). That is what the daemon's token
+    budget holds to ``fraction`` (``tuner.switchback.Budget``). None without a pair."""
     pairs = read_pairs(storage, server, since=since, until=until)
     if not pairs:
         return None
-    tokens = busy = 0.0
+    spans: dict[float, float] = {}  # the experiment's start (one per daemon run) -> span end
     for p in pairs:
-        start, end = p.block_span or (min(p.base_span[0], p.control_span[0]),
-                                      max(p.base_span[1], p.control_span[1]))
+        if p.block_span is None:  # recorded before pairs carried their block
+            start = min(p.base_span[0], p.control_span[0])
+            spans[start] = max(p.base_span[1], p.control_span[1])
+            continue
+        lo, hi = p.block_span
+        t0 = round(lo - p.block * (hi - lo), 3)
+        spans[t0] = max(spans.get(t0, hi), hi)
+    if since is not None:
+        spans = {max(t0, since): end for t0, end in spans.items()}
+    tokens = busy = 0.0
+    for start, end in spans.items():
         for a in storage.aggregate(server=server, since=start + _EPS, until=end + _EPS):
             tokens += a.emitted_tokens
             busy += a.busy_s
-    return estimate(pairs, all_tokens=tokens, all_busy_s=busy)
+    base_tokens = base_busy = 0.0
+    for start, end in _baseline_windows(storage, server, since=min(spans)):
+        if any(t0 - _EPS <= start < span_end for t0, span_end in spans.items()):
+            for a in storage.aggregate(server=server, since=start + _EPS, until=end + _EPS):
+                base_tokens += a.emitted_tokens
+                base_busy += a.busy_s
+    return estimate(pairs, all_tokens=tokens, all_busy_s=busy, base_tokens=base_tokens,
+                    base_busy_s=base_busy)
+
+
+def _baseline_windows(storage: Storage, server: str, *,
+                      since: float) -> list[tuple[float, float]]:
+    """``[start, end)`` of every baseline window: ``holdout_start`` to the next
+    ``holdout_end`` (readings stamped in ``(start, end]`` ran on the baseline)."""
+    out, start = [], None
+    for e in storage.events(server=server, kinds=["holdout_start", "holdout_end"],
+                            since=since - _EPS):
+        if e.kind == "holdout_start":
+            start = e.ts if start is None else start
+        elif start is not None:
+            out.append((start, e.ts))
+            start = None
+    return out
 
 
 def switchback_lines(r: SwitchbackGain) -> list[str]:

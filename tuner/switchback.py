@@ -16,9 +16,16 @@ slowly, so steps and seconds within a window are strongly autocorrelated, adjace
 share most of that drift, and pairs drawn in different blocks are close to independent.
 Randomising which window of a pair is the baseline keeps drift inside a pair from biasing it.
 
-Cost: the goodput the baseline windows did not make, as a share of what the whole span would
-have made on the tuned table: ``R·T_base / (T_all + R·T_base)`` with ``T`` tokens emitted,
-which is below ``fraction × R`` whenever the baseline ran at most ``fraction`` of the time.
+Cost: the goodput the baseline windows did not make, as a share of what the experiment's span
+(from its start to the end of the last pair's block) would have made on the tuned table:
+``R·T_base / (T_all + R·T_base)`` with ``T`` tokens emitted. That is at most ``fraction × R``
+whenever ``T_base <= fraction × T_all``, which a share of *time* does not ensure: a baseline
+window on a busy stretch carries more than its share of the tokens. So a :class:`Budget` keeps
+the baseline's share of the *tokens* at most ``fraction`` by construction: a drawn pair runs
+only when the tokens already banked (``fraction × T_all − T_base``) cover a window like the
+last one, and a baseline window ends early when the next interval could overdraw them. Both
+decisions read only the past, never the pair's own outcome, so the pairs stay unbiased; a
+skipped pair is recorded (``holdout_skip``), a cut window still pairs with its control.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "ROLES",
+    "Budget",
     "Pair",
     "Schedule",
     "SwitchbackGain",
@@ -40,7 +48,7 @@ __all__ = [
     "t975",
 ]
 
-ROLES = ("tuned", "base", "control")
+ROLES = ("tuned", "base", "control")  # the schedule's; the budget adds "cut"
 MAX_FRACTION = 0.5  # one window in two: every window is then in a pair
 
 # Student t, 97.5 % quantile, for 1..10 degrees of freedom (above: the Cornish-Fisher series,
@@ -118,6 +126,54 @@ class Schedule:
         if i == pos + 1:
             return n, "control" if base_first else "base"
         return n, "tuned"
+
+
+@dataclass
+class Budget:
+    """The baseline's tokens against its allowance, ``fraction`` of all tokens since the start.
+
+    Tokens enter at every reading (``add``); ``banked`` is what the baseline may still emit.
+    A baseline interval of ``x`` tokens lowers it by ``(1 − fraction)·x`` (its tokens count
+    in both), a tuned one raises it by ``fraction·x``."""
+
+    fraction: float
+    tokens: float = 0.0
+    base_tokens: float = 0.0
+    base_busy_s: float = 0.0
+    skipped: int | None = None  # the last block whose pair it could not pay for
+    cut: int | None = None  # the last block whose baseline window it ended early
+
+    def add(self, tokens: float, busy_s: float, *, base: bool) -> None:
+        self.tokens += tokens
+        if base:
+            self.base_tokens += tokens
+            self.base_busy_s += busy_s
+
+    @property
+    def banked(self) -> float:
+        return self.fraction * self.tokens - self.base_tokens
+
+    def affords(self, tokens: float) -> bool:
+        """Whether the baseline may emit ``tokens`` more and stay within its share."""
+        return self.banked >= (1 - self.fraction) * max(0.0, tokens)
+
+    def admit(self, block: int, drawn: str, *, pair_open: bool, window_forecast: float,
+              tick_forecast: float) -> str:
+        """The role the next interval runs: ``drawn`` (the schedule's), ``tuned`` for a pair
+        skipped when its first window would start (``pair_open`` False) without the tokens
+        for a window of ``window_forecast``, or ``cut`` (the tuned table, in neither window)
+        for the rest of a baseline window once an interval of ``tick_forecast`` could
+        overdraw. The forecasts are past readings' (no forecast yet: ``inf``)."""
+        if drawn == "tuned" or self.skipped == block:
+            return "tuned"
+        if not pair_open and not self.affords(window_forecast):
+            self.skipped = block
+            return "tuned"
+        if drawn != "base":
+            return drawn
+        if self.cut != block and not self.affords(tick_forecast):
+            self.cut = block
+        return "cut" if self.cut == block else "base"
 
 
 @dataclass
@@ -216,9 +272,13 @@ def _cost(r: float, base_tokens: float, all_tokens: float) -> float:
     return lost / (all_tokens + lost)
 
 
-def estimate(pairs: Sequence[Pair], *, all_tokens: float, all_busy_s: float) -> SwitchbackGain | None:
+def estimate(pairs: Sequence[Pair], *, all_tokens: float, all_busy_s: float,
+             base_tokens: float | None = None,
+             base_busy_s: float | None = None) -> SwitchbackGain | None:
     """The gain over the pairs with a shared stratum (None without one); ``all_*``: tokens and
-    busy seconds over the experiment's span, for the cost and the baseline's share."""
+    busy seconds over the experiment's span, for the cost and the baseline's share;
+    ``base_*``: the same in every baseline window of the span (those of void pairs too),
+    else the usable pairs' baseline sums."""
     terms = [t for t in (p.terms() for p in pairs) if t is not None]
     if not terms:
         return None
@@ -232,8 +292,10 @@ def estimate(pairs: Sequence[Pair], *, all_tokens: float, all_busy_s: float) -> 
         half = t975(n - 1) * se
     else:
         half = math.inf
-    base_tokens = sum(v[0] for p in pairs for v in p.base.values())
-    base_busy = sum(v[1] for p in pairs for v in p.base.values())
+    if base_tokens is None:
+        base_tokens = sum(v[0] for p in pairs for v in p.base.values())
+    base_busy = (sum(v[1] for p in pairs for v in p.base.values()) if base_busy_s is None
+                 else base_busy_s)
     share = base_busy / all_busy_s if all_busy_s > 0 else math.nan
     return SwitchbackGain(r, r - half, r + half, n, share, _cost(r, base_tokens, all_tokens),
                           _cost(r + half, base_tokens, all_tokens))

@@ -5,9 +5,12 @@ table (the one it started on) or the tuned one. Switching in is a push of the ba
 switching out hands the decision back to the policy at once. Observations are attributed to
 the window that was in effect while they were counted (the role set at the previous tick).
 A pair with a gap in its readings, a restart, a failed switch or replicas out of step is
-dropped (``holdout_void``), never mixed in. Events: ``holdout_start`` / ``holdout_end`` per
-baseline window and ``holdout_pair`` per usable pair, whose detail carries the pair's sums
-(JSON) so ``report`` reads the experiment back without raw observations (which roll up).
+dropped (``holdout_void``), never mixed in. The token budget (:class:`~tuner.switchback.Budget`)
+skips a drawn pair the banked tokens cannot pay for (``holdout_skip``) and cuts a baseline
+window short before an interval could overdraw them; the rest of a cut window runs the tuned
+table and belongs to neither window. Events: ``holdout_start`` / ``holdout_end`` per baseline
+window and ``holdout_pair`` per usable pair, whose detail carries the pair's sums (JSON) so
+``report`` reads the experiment back without raw observations (which roll up).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from policies import Buckets, Observation
 from tuner.config import TunerConfig
 from tuner.daemon._records import _Server
 from tuner.protocol import Table, format_table, sglang_start_arm
-from tuner.switchback import Pair, Schedule, SwitchbackGain, Window, estimate
+from tuner.switchback import Budget, Pair, Schedule, SwitchbackGain, Window, estimate
 
 log = logging.getLogger("tuner.daemon")  # one logger name for the whole loop
 
@@ -50,6 +53,11 @@ class HoldoutState:
     tokens: float = 0.0  # since t0, for the cost
     busy_s: float = 0.0
     result: SwitchbackGain | None = None
+    budget: Budget | None = None
+    window: int = -1  # the schedule's window the readings now fall in, and their tokens
+    window_tokens: float = 0.0
+    last_window_tokens: float = math.inf  # the last whole window's: the next one's forecast
+    tick_tokens: float = math.inf  # the last reading's: the next one's forecast
 
     @property
     def active(self) -> bool:
@@ -85,12 +93,18 @@ class _Holdout:
             self._holdout_spoil(h, "the server did not run the baseline table")
         elif role == "control" and srv.server_table is None:
             self._holdout_spoil(h, "replicas ran different tables")
-        window = h.windows.get(role) if role != "tuned" else None
+        window = h.windows.get(role)
+        tokens = busy = 0.0
         for o in observations:
-            h.tokens += o.emitted_tokens
-            h.busy_s += o.busy_s
+            tokens += o.emitted_tokens
+            busy += o.busy_s
             if window is not None:
                 window.add(stratum(self.buckets, o.b), o.emitted_tokens, o.busy_s)
+        h.tokens += tokens
+        h.busy_s += busy
+        h.budget.add(tokens, busy, base=role == "base")
+        h.window_tokens += tokens
+        h.tick_tokens = tokens
 
     @staticmethod
     def _holdout_spoil(h: HoldoutState, why: str) -> None:
@@ -105,18 +119,25 @@ class _Holdout:
             return None
         if h.t0 is None:
             h.t0, h.last_tick, h.restarts = now, now, srv.restarts
+            h.budget = Budget(h.schedule.fraction)
             h.base = self._holdout_baseline(srv)
             log.info("%s: switchback on: the baseline %s runs %.1f%% of the time in %g s "
                      "windows, each paired with an adjacent tuned one", srv.address,
                      format_table(h.base), 100 * h.schedule.share, h.schedule.window_s)
-        block, role = h.schedule.at(now - h.t0)
-        if h.block is not None and (block != h.block or role == "tuned"):
+        block, drawn = h.schedule.at(now - h.t0)
+        window = math.floor(max(0.0, now - h.t0) / h.schedule.window_s + 1e-9)
+        if window != h.window:
+            if h.window >= 0:  # a whole window read (the first tick starts window 0)
+                h.last_window_tokens = h.window_tokens
+            h.window, h.window_tokens = window, 0.0
+        if h.block is not None and (block != h.block or drawn == "tuned"):
             self._holdout_close_pair(srv, now)
+        role = self._holdout_budget(srv, block, drawn, now)
         was_base = h.active
-        if role != "tuned" and h.block is None:
+        if role in ("base", "control") and h.block is None:
             h.block, h.void = block, None
             h.windows = {"base": Window(), "control": Window()}
-        if role != "tuned" and h.windows[role].start is None:
+        if role in h.windows and h.windows[role].start is None:
             h.windows[role].start = now
         for r, w in h.windows.items():
             if r != role and w.start is not None and w.end is None:
@@ -138,6 +159,27 @@ class _Holdout:
                         f"block {block}: back to the tuned table")
             srv.last_decision = None  # the policy decides (and pushes) in this very tick
         return None
+
+    def _holdout_budget(self, srv: _Server, block: int, drawn: str, now: float) -> str:
+        """The role the token budget lets this tick run (:meth:`Budget.admit`), from
+        readings before this tick only, never the pair's own outcome."""
+        h = srv.holdout
+        budget = h.budget
+        skipped, cut = budget.skipped, budget.cut
+        per_tick = h.last_window_tokens * self.config.interval_s / h.schedule.window_s
+        role = budget.admit(block, drawn, pair_open=h.block is not None,
+                            window_forecast=h.last_window_tokens,
+                            tick_forecast=max(h.tick_tokens, per_tick))
+        if budget.skipped != skipped:
+            self._event(srv.address, now, "holdout_skip",
+                        f"block {block}: the baseline's {budget.base_tokens:.0f} of "
+                        f"{budget.tokens:.0f} tokens leave too little of its "
+                        f"{budget.fraction:.1%} share for a window like the last one "
+                        f"({h.last_window_tokens:.0f} tokens)")
+        if budget.cut != cut:
+            log.info("%s: switchback: block %d's baseline window ends early, its share of "
+                     "the tokens spent", srv.address, block)
+        return role
 
     def _holdout_baseline(self, srv: _Server) -> Table:
         if srv.baseline_version == 0 and srv.start_table is not None:
@@ -174,7 +216,8 @@ class _Holdout:
             return
         h.pairs.append(pair)
         self._event(srv.address, now, "holdout_pair", pair.to_json())
-        h.result = estimate(h.pairs, all_tokens=h.tokens, all_busy_s=h.busy_s)
+        h.result = estimate(h.pairs, all_tokens=h.tokens, all_busy_s=h.busy_s,
+                            base_tokens=h.budget.base_tokens, base_busy_s=h.budget.base_busy_s)
         r = h.result
         log.info("%s: switchback: gain over the baseline %+.1f%% [%+.1f%%, %+.1f%%] from %d "
                  "pairs; cost %.2f%% of goodput", srv.address, 100 * r.ratio, 100 * r.low,
