@@ -1,8 +1,9 @@
 """What the SGLang plugin adds to a server's decode hot path, and how big its readout gets.
 
-Targets: the table lookup at each decode launch plus the telemetry update at each decode
-result cost <= 5 us per step (printed next to a 5 ms decode step as a percentage), and the
-``"dynspec"`` readout of a server that has seen 256 batch sizes x 6 arms stays under 50 KB.
+Targets: the table lookup at each decode launch plus the acceptance estimate and telemetry
+update at each decode result cost <= 3 us per step (printed next to a 5 ms decode step as a
+percentage), and the ``"dynspec"`` readout of a server that has seen 256 batch sizes x 6 arms
+in every acceptance band stays within 32 KB after a day (protocol v2).
 
 Both server kinds are timed in the same run: a chain (arms 0, 1, 2, 3, 5, 7) and an EAGLE tree
 (top-k 4, 2 steps, 16 draft tokens: arms 0 and the tree, the seed server's shape), whose
@@ -32,11 +33,11 @@ from types import SimpleNamespace
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from tuner.plugin import _sglang, _tree  # noqa: E402
-from tuner.protocol import TreeShape, encode_update  # noqa: E402
+from tuner.protocol import N_BANDS, TreeShape, class_of, encode_update  # noqa: E402
 
 STEP_S = 5e-3
-TARGET_US = 5.0
-TARGET_KB = 50.0
+TARGET_US = 3.0
+TARGET_KB = 32.0
 ARMS = [0, 1, 2, 3, 5, 7]
 # A realistic learned table: one row per default bucket edge.
 TABLE = ((1, 7), (2, 5), (4, 5), (8, 3), (16, 3), (24, 2), (32, 2), (48, 1), (64, 1),
@@ -49,12 +50,13 @@ TREE_TABLE = ((8, TREE.steps), (None, 0))
 
 
 def best_ns(fn, n: int, repeat: int) -> float:
-    """Best mean ns per call over ``repeat`` runs of ``n`` calls."""
+    """Best mean ns per call over ``repeat`` runs of ``n`` calls, in this thread's CPU time
+    (on a shared machine, wall time also counts the time other processes held the core)."""
     best = float("inf")
     for _ in range(repeat):
-        t0 = time.perf_counter_ns()
+        t0 = time.thread_time_ns()
         fn(n)
-        best = min(best, (time.perf_counter_ns() - t0) / n)
+        best = min(best, (time.thread_time_ns() - t0) / n)
     return best
 
 
@@ -147,12 +149,15 @@ def batches(real: bool, tree: TreeShape | None = None):
                 result = SimpleNamespace(
                     speculative_num_draft_tokens=width,
                     num_correct_drafts=0,
-                    get_num_generated_tokens=lambda bs, r=None: bs,
+                    num_correct_drafts_per_req_cpu=None,
                 )
                 result.get_num_generated_tokens = (
                     lambda bs, _r=result: _r.num_correct_drafts + bs
                 )
-            result.num_correct_drafts = (k * b) // 2
+            # Half the drafts accepted, as SGLang's _resolve_spec_v2_tokens lays them out.
+            per_req = [k // 2] * b
+            result.num_correct_drafts_per_req_cpu = per_req
+            result.num_correct_drafts = sum(per_req)
             out.append((batch, result))
     return out
 
@@ -226,7 +231,7 @@ def main() -> int:
         tree_tele_ns = min(tree_tele_ns, best_ns(telemetry_of(tree_env, tree_pairs), args.n, 1))
     per_step_us = (lookup_ns + tele_ns) / 1000
     tree_step_us = (tree_lookup_ns + tree_tele_ns) / 1000
-    tree_counts = {k for (_, k) in tree_env.policy.dynspec.telemetry._rows}
+    tree_counts = {key % 64 for key in tree_env.policy.dynspec.telemetry._rows}
     assert tree_counts == set(TREE_ARMS), f"tree steps counted on arms {tree_counts}"
 
     print(f"SGLang objects: {'real (contract environment)' if real else 'stand-ins (no sglang)'}")
@@ -247,7 +252,7 @@ def main() -> int:
           f"{tree_step_us / per_step_us:.2f}x the chain's, measured alternately "
           f"(lookup {tree_lookup_ns / lookup_ns:.2f}x, telemetry {tree_tele_ns / tele_ns:.2f}x)")
 
-    # Readout size with every (b, k) seen, at three ages of the counters.
+    # Readout size with every (b, k) seen (in every band), at three ages of the counters.
     def size_kb(state_core) -> tuple[float, int]:
         worker = SimpleNamespace(adaptive_controller=SimpleNamespace(
             params=SimpleNamespace(dynspec=state_core)))
@@ -258,28 +263,36 @@ def main() -> int:
 
     young = type(core)(ARMS, started_at=time.time())
     it = 0
-    for _ in range(4):  # every (b, k) seen a few times: 3 timed steps each
+    for _ in range(4):  # every (b, k) seen a few times in each band: 3 timed steps each
         for batch, result in pairs:
-            it += 1
-            young.record_decode(len(batch.reqs), result.speculative_num_draft_tokens - 1,
-                                result.get_num_generated_tokens(len(batch.reqs)),
-                                result.num_correct_drafts, it * 0.005, it)
+            for band in range(N_BANDS):
+                it += 1
+                young.record_decode(len(batch.reqs), result.speculative_num_draft_tokens - 1,
+                                    result.get_num_generated_tokens(len(batch.reqs)),
+                                    result.num_correct_drafts, it * 0.005, it, band=band)
     young_kb, young_rows = size_kb(young)
     timed_kb, _ = size_kb(core)
     timed_steps = clock[1]
-    for (b, k), row in core.telemetry._rows.items():
-        steps = 86_400 * 50 // (len(BATCH_SIZES) * len(ARMS))  # 50 steps/s spread evenly
-        row[:] = [steps, steps * b * (1 + k // 2), steps * b * (k // 2), steps * b * k,
-                  steps * (0.004 + 0.00003 * b + 0.0011 * k) + 1 / 3]
+    tel = core.telemetry
+    steps = 86_400 * 50 // (len(BATCH_SIZES) * len(ARMS))  # 50 steps/s spread evenly
+    tel._bands.clear()
+    for key, row in tel._rows.items():
+        b, k = divmod(key, 64)
+        row[:] = [steps, steps * b * (k // 2), steps * (0.004 + 0.00003 * b + 0.0011 * k) + 1 / 3]
+        for band in range(N_BANDS):  # the steps spread evenly over the bands
+            share = steps // N_BANDS
+            brow = tel._bands.setdefault((class_of(b) * N_BANDS + band) * 64 + k, [0, 0, 0])
+            brow[0] += share
+            brow[1] += share * b
+            brow[2] += share * b * (k // 2)
     day_kb, _ = size_kb(core)
-    print(f"readout, {young_rows} (b, k) rows, each seen 3 times:   {young_kb:5.1f} KB "
-          f"(target < {TARGET_KB:.0f} KB)")
+    print(f"readout, {young_rows} (b, k) rows x {N_BANDS} bands, each seen 3 times: "
+          f"{young_kb:5.1f} KB")
     print(f"  after this run's {timed_steps:,} steps: {timed_kb:5.1f} KB")
     print(f"  after a day at 50 steps/s (4.3 M steps):  {day_kb:5.1f} KB "
-          f"({day_kb * 1024 / young_rows:.0f} B/row: protocol v1 rows grow with the counters)")
+          f"(target <= {TARGET_KB:.0f} KB; {day_kb * 1024 / young_rows:.0f} B per (b, k))")
     rows = young_rows
-    day = young_kb * 1024
-    ok = (per_step_us <= TARGET_US and tree_step_us <= TARGET_US and day / 1024 < TARGET_KB
+    ok = (per_step_us <= TARGET_US and tree_step_us <= TARGET_US and day_kb <= TARGET_KB
           and rows == n_pairs)
     print("targets met" if ok else "TARGET MISSED")
     return 0 if ok else 1

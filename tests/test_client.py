@@ -16,7 +16,7 @@ from tuner.errors import (
     UpdateRejectedError,
 )
 from tuner.plugin.core import PluginCore
-from tuner.protocol import CounterRow, ProtocolError, decode_update
+from tuner.protocol import CounterRow, ProtocolError, banded, decode_update
 
 ADDR = "gpu7:30000"
 
@@ -73,7 +73,9 @@ def test_push_sends_flat_keys_and_returns_per_replica_booleans():
     assert state.table == ((8, 3), (None, 1)) and state.policy_version == 5
     sent = json.loads(fake.requests[0].content)["server_args"]
     assert all(isinstance(v, int) for v in sent.values())
-    assert decode_update(sent, arms=(0, 1, 3), current_version=0) == (((8, 3), (None, 1)), 5)
+    # Nothing read yet: v1 keys, which every plugin applies.
+    assert sent["dynspec_protocol"] == 1
+    assert decode_update(sent, arms=(0, 1, 3), current_version=0) == (banded(((8, 3), (None, 1))), 5)
     assert fake.requests[0].headers["authorization"] == "Bearer adm1n"
 
 
@@ -116,7 +118,7 @@ def test_invalid_table_is_refused_before_sending():
             r"internal_states\[0\]\.dynspec: .*lacks field",
         ),
         (
-            httpx.Response(200, json={"internal_states": [{"dynspec": {"protocol": 2}}]}),
+            httpx.Response(200, json={"internal_states": [{"dynspec": {"protocol": 3}}]}),
             MalformedReplyError,
             "protocol version mismatch",
         ),

@@ -35,7 +35,7 @@ from tests._fakes import FakeClock, LoopbackSim
 from tuner.cli import main
 from tuner.config import TunerConfig
 from tuner.daemon import Daemon
-from tuner.protocol import encode_update
+from tuner.protocol import DynspecState, encode_update
 from tuner.sim.faults import Fault
 from tuner.sim.server import SimServer
 
@@ -65,8 +65,8 @@ class Sim(LoopbackSim):
         if req.path == "/server_info" and resp is not None and resp.status == 200:
             try:  # a reading the client can parse (a malformed one is not)
                 (state,) = json.loads(resp.body)["internal_states"]
-                d = state["dynspec"]
-                self.answered.append((d["started_at"], sum(c[2] for c in d["counters"])))
+                d = DynspecState.from_json(state["dynspec"])
+                self.answered.append((d.started_at, sum(c.decode_steps for c in d.counters)))
             except (ValueError, KeyError):
                 pass
         elif req.path == "/set_internal_state":
@@ -599,25 +599,25 @@ def test_10_bad_files_exit_2_naming_file_and_field_and_apply_nothing(tmp_path, c
 def test_12_protocol_mismatch_is_refused_on_both_sides_naming_both_versions(tmp_path, caplog):
     clock = FakeClock()
     with Sim() as sim:
-        # Daemon side: the server's plugin speaks v2.
-        sim.faults.add("protocol2:/server_info")
+        # Daemon side: the server's plugin speaks v3 (this side reads v1 and v2).
+        sim.faults.add("protocol3:/server_info")
         d = make_daemon([sim.addr], tmp_path, clock)
         with caplog.at_level(logging.WARNING, logger="tuner.daemon"):
             d.run_once()
             run_ticks(d, clock, 10, sim)
         (msg,) = messages(caplog, "protocol version mismatch")
-        assert "server speaks v2" in msg and "this side speaks v1" in msg
+        assert "server speaks v3" in msg and "this side reads v1/v2" in msg
         assert sim.posts == [] and d.status().servers[0].observations == 0
         d.shutdown()
-        # Plugin side: an update in protocol v2 changes nothing and says why.
+        # Plugin side: an update in protocol v3 changes nothing and says why.
         sim.faults.clear()
-        update = {**encode_update(((8, 1), (None, 0)), 1), "dynspec_protocol": 2}
+        update = {**encode_update(((8, 1), (None, 0)), 1), "dynspec_protocol": 3}
         with httpx.Client(base_url=sim.server.url) as c:
             assert c.post("/set_internal_state", json={"server_args": update}).json() == [False]
         with sim.server.lock:
             core = sim.server.core
             assert (core.table, core.version, core.updates_rejected) == (DEFAULT, 0, 1)
-            assert "update speaks v2, this side speaks v1" in core.last_rejection
+            assert "update speaks v3, this side speaks v1/v2" in core.last_rejection
 
 
 # --- security: the admin key and database passwords never show -------------------------------

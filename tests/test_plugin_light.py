@@ -104,7 +104,7 @@ def test_check_update_changes_nothing_until_committed():
     table, version = core.check_update(encode_update(((4, 3), (None, 0)), 1))
     assert (core.table, core.version, core.updates_applied) == (((None, 1),), 0, 0)
     core.commit_update(table, version)
-    assert (core.table, core.version, core.updates_applied) == (table, 1, 1)
+    assert (core.band_table, core.version, core.updates_applied) == (table, 1, 1)
     with pytest.raises(ProtocolError, match="not greater"):
         core.check_update(encode_update(((None, 0),), 1))
 

@@ -1,8 +1,11 @@
-"""Wire protocol v1: table rules, the flat update encoding, the readout, lookup."""
+"""Wire protocol: table rules, the flat update encoding, the readout, lookup (v1 rules, which
+v2 keeps; tests/test_protocol_v2.py has what v2 adds)."""
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
@@ -15,6 +18,7 @@ from tuner.protocol import (
     DynspecState,
     ProtocolError,
     TableIndex,
+    banded,
     counter_deltas,
     decode_update,
     encode_update,
@@ -132,7 +136,7 @@ def test_encode_update_refuses_bad_input():
 def test_decode_round_trip_ignores_foreign_keys():
     flat = encode_update(((8, 5), (None, 1)), 3)
     flat["speculative_accept_threshold_single"] = 0.5
-    assert decode_update(flat, arms=ARMS, current_version=2) == (((8, 5), (None, 1)), 3)
+    assert decode_update(flat, arms=ARMS, current_version=2) == (banded(((8, 5), (None, 1))), 3)
     assert has_dynspec_keys(flat)
     assert not has_dynspec_keys({"speculative_accept_threshold_single": 1})
 
@@ -147,7 +151,7 @@ def _flat(**over):
     "flat, rule",
     [
         (_flat(dynspec_protocol=None), "dynspec_protocol is missing"),
-        (_flat(dynspec_protocol=2), "protocol version mismatch"),
+        (_flat(dynspec_protocol=3), "protocol version mismatch"),
         (_flat(dynspec_protocol=True), "dynspec_protocol must be an integer"),
         (_flat(dynspec_version=None), "dynspec_version is missing"),
         (_flat(dynspec_rows=None), "dynspec_rows is missing"),
@@ -206,7 +210,7 @@ def test_state_round_trip():
 @pytest.mark.parametrize(
     "over, rule",
     [
-        ({"protocol": 2}, "protocol version mismatch"),
+        ({"protocol": 3}, "protocol version mismatch"),
         ({"arms": []}, "arms must be a non-empty list"),
         ({"arms": [-1, 1]}, "arms must be >= 0"),
         ({"table": [[8, 7], [None, 1]]}, "not a built arm"),
@@ -260,3 +264,185 @@ def test_counter_deltas_refuse_a_restart():
     before = (CounterRow(4, 3, 10, 100, 60, 120, 0.5),)
     assert counter_deltas(before, (CounterRow(4, 3, 2, 20, 12, 24, 0.1),)) is None
     assert counter_deltas(before, ()) is None  # a row vanished
+
+
+# --- protocol v2: banded tables, banded updates, the bounded readout ------------------------
+
+from tuner.protocol import (  # noqa: E402
+    BAND_EDGES,
+    N_BANDS,
+    N_CLASSES,
+    UNKNOWN_BAND,
+    BandCounter,
+    BandIndex,
+    band_agnostic,
+    band_counter_deltas,
+    band_of,
+    class_of,
+    class_range,
+    format_band_table,
+    validate_band_table,
+)
+
+BANDED = validate_band_table([[8, 5, 1, 3, 5, 5], [64, 3], [None, 1, 0, 1, 1, 3]], ARMS)
+
+
+def test_bands_and_classes_partition_their_ranges():
+    assert band_of(0.0) == 1 and band_of(1.0) == N_BANDS - 1
+    assert [band_of(e) for e in BAND_EDGES] == list(range(2, N_BANDS))  # an edge opens a band
+    assert [class_of(b) for b in (1, 2, 3, 4, 5, 256, 257, 10**6)] == [0, 1, 2, 2, 3, 12, 13, 13]
+    for cls in range(N_CLASSES):
+        lo, hi = class_range(cls)
+        assert class_of(lo) == cls and (hi is None or (class_of(hi), class_of(hi + 1)) ==
+                                        (cls, cls + 1))
+
+
+def test_a_v1_table_is_a_banded_table_with_one_band():
+    assert validate_band_table([[8, 5], [None, 1]], ARMS) == banded(((8, 5), (None, 1)))
+    assert band_agnostic(BANDED) == ((8, 5), (64, 3), (None, 1))
+    assert format_band_table(BANDED) == "b<=8:k5/1,3,5,5 b<=64:k3 rest:k1/0,1,1,3"
+
+
+@pytest.mark.parametrize(
+    "rows, rule",
+    [
+        ([[8, 5, 1, 3], [None, 1]], "must be \\[max_batch_size, k\\] or"),
+        ([[8, 5, 1, 3, 5, 2], [None, 1]], "not a built arm"),
+        ([[8, 5, 1, 3, 5, -1], [None, 1]], "k must be >= 0"),
+        ([[8, 5, 1, 3, 5, True], [None, 1]], "band 4 k must be an integer"),
+        # The unknown band would never draft again once the estimate went stale.
+        ([[8, 0, 0, 0, 0, 1], [None, 1]], "unknown band must draft"),
+        ([[8, 5], [4, 3], [None, 1]], "strictly increasing"),
+    ],
+)
+def test_band_table_rules(rows, rule):
+    with pytest.raises(ProtocolError, match=rule):
+        validate_band_table(rows, ARMS)
+
+
+def test_band_index_matches_lookup_on_every_band():
+    index = BandIndex(BANDED)
+    for b in (0, 1, 8, 9, 64, 65, 5000):
+        for band in range(N_BANDS):
+            row = next(ks for bound, ks in BANDED if bound is None or b <= bound)
+            assert index(b, band) == row[band]
+    # A bound beyond the flat part is found by bisect.
+    far = BandIndex(validate_band_table([[10**6, 5], [None, 1]], ARMS))
+    assert (far(10**6), far(10**6 + 1)) == (5, 1)
+
+
+def test_banded_update_round_trips_and_a_v1_update_is_a_one_band_v2_update():
+    flat = encode_update(BANDED, 4)
+    assert flat["dynspec_protocol"] == 2 and flat["dynspec_r2_k4"] == 3
+    assert decode_update(flat, arms=ARMS, current_version=3) == (BANDED, 4)
+    v1 = encode_update(band_agnostic(BANDED), 4, protocol=1)
+    assert v1["dynspec_protocol"] == 1 and not any("_k1" in key for key in v1)
+    assert decode_update(v1, arms=ARMS, current_version=3) == (
+        banded(band_agnostic(BANDED)), 4)
+
+
+def test_banded_update_rules():
+    with pytest.raises(ProtocolError, match="cannot be sent to a protocol v1 plugin"):
+        encode_update(BANDED, 1, protocol=1)
+    flat = encode_update(BANDED, 4)
+    del flat["dynspec_r1_k3"]
+    with pytest.raises(ProtocolError, match="row 1 lacks dynspec_r1_k3"):
+        decode_update(flat, arms=ARMS, current_version=0)
+    # Band keys in a v1 update are foreign to v1: refused, not half-read.
+    v1 = {**encode_update(BANDED, 4), "dynspec_protocol": 1}
+    with pytest.raises(ProtocolError, match="unexpected keys"):
+        decode_update(v1, arms=ARMS, current_version=0)
+    # A plugin that speaks only v1 refuses any v2 update.
+    with pytest.raises(ProtocolError, match="this side speaks v1"):
+        decode_update(encode_update(((None, 1),), 1), arms=ARMS, current_version=0,
+                      accept=(1,))
+
+
+def _day_state(days: float = 1.0, arms=(0, 1, 2, 3, 5, 7)) -> DynspecState:
+    """The worst case: every batch size 1..256 at every arm in every band, counters at
+    ``days`` of 50 decode steps/s spread evenly (the magnitude the issue measured v1 at)."""
+    steps = int(86_400 * days * 50 // (256 * len(arms)))
+    counters, bands = [], {}
+    for b in range(1, 257):
+        for k in arms:
+            accepted = steps * b * (k // 2)
+            busy = steps * (0.004 + 0.00003 * b + 0.0011 * k) + 1 / 3
+            counters.append(CounterRow(b, k, steps, accepted + steps * b, accepted,
+                                       k * b * steps, round(busy, 6)))
+            for band in range(N_BANDS):
+                key = (class_of(b), band, k)
+                n, r, a = bands.get(key, (0, 0, 0))
+                share = steps // N_BANDS
+                bands[key] = (n + share, r + share * b, a + share * b * (k // 2))
+    return DynspecState(
+        arms=tuple(arms), policy_version=12, table=((8, 5), (64, 3), (None, 1)),
+        counters=tuple(counters), started_at=1764400000.0, updates_applied=12,
+        bands=tuple(BandCounter(*key, *v) for key, v in sorted(bands.items())),
+        acceptance=(3, 0.734), band_table=validate_band_table(
+            [[8, 5, 1, 3, 5, 7], [64, 3], [None, 1, 0, 1, 1, 3]], arms),
+    )
+
+
+@pytest.mark.parametrize("days", [1, 365])
+def test_v2_readout_of_every_batch_size_arm_and_band_stays_within_32_kb(days):
+    state = _day_state(days)
+    text = json.dumps(state.to_json(), separators=(",", ":"))  # as /server_info (orjson)
+    assert len(state.counters) == 256 * 6 and len(state.bands) == 13 * N_BANDS * 6
+    assert len(text) <= 32 * 1024, f"{len(text) / 1024:.1f} KB after {days} days"
+    back = DynspecState.from_json(json.loads(text))
+    assert back.counters == state.counters and back.bands == state.bands
+    assert (back.band_table, back.table, back.acceptance) == (
+        state.band_table, state.table, state.acceptance)
+    # The same state in v1 rows: what the bound replaces.
+    v1 = json.dumps(replace(state, protocol=1).to_json(), separators=(",", ":"))
+    assert len(v1) > 2 * len(text)
+
+
+def test_v2_counters_derive_emitted_and_drafted_and_keep_integer_microseconds():
+    state = DynspecState(arms=(0, 3), policy_version=0, table=((None, 3),), started_at=1.0,
+                         counters=(CounterRow(2, 3, 10, 20 + 13, 13, 60, 0.0123456789),
+                                   CounterRow(5, 0, 1, 5, 0, 0, 2.0)))
+    raw = state.to_json()
+    # Dense over b from 1, base-64 digits: 12346 us = 3*64^2 + 0*64 + 58 ("w").
+    assert raw["counters"] == [[0, ";;;;1,0,7eI0"], [3, ";A,D,30w"]]
+    back = DynspecState.from_json(raw)
+    assert back.counters == (CounterRow(2, 3, 10, 33, 13, 60, 0.012346),
+                             CounterRow(5, 0, 1, 5, 0, 0, 2.0))
+
+
+@pytest.mark.parametrize(
+    "counters, rule",
+    [
+        ({"k": 1}, "counters must be a list"),
+        ([[1, "1,2"]], "must have 3 numbers"),
+        ([[1, "1,2,*"]], "outside the digits"),
+        ([[1, "1,2,1234567890"]], "1..9 digits"),
+        ([[1, "1,2,3"], [1, "1,2,3"]], "negative or repeated"),
+        ([[1, ";" * 70000]], "more than 65536 cells"),
+        ([[1, 7]], "must be a string of cells"),
+    ],
+)
+def test_v2_counter_rules(counters, rule):
+    raw = {**_day_state(0.001).to_json(), "counters": counters}
+    with pytest.raises(ProtocolError, match=rule):
+        DynspecState.from_json(raw)
+
+
+def test_v2_band_and_acceptance_rules():
+    raw = _day_state(0.001).to_json()
+    with pytest.raises(ProtocolError, match="out of range or repeated"):
+        DynspecState.from_json({**raw, "bands": [[1, N_BANDS, "1,1,1"]]})
+    with pytest.raises(ProtocolError, match="more than 14 classes"):
+        DynspecState.from_json({**raw, "bands": [[1, 1, ";" * 14 + "1,1,1"]]})
+    with pytest.raises(ProtocolError, match="0..1000 per mille"):
+        DynspecState.from_json({**raw, "acceptance": [1, 1001]})
+    assert DynspecState.from_json({**raw, "acceptance": [UNKNOWN_BAND, None]}).acceptance == (
+        UNKNOWN_BAND, None)
+
+
+def test_band_counter_deltas():
+    a = (BandCounter(0, 1, 3, 5, 5, 7),)
+    b = (BandCounter(0, 1, 3, 8, 8, 9), BandCounter(2, 4, 3, 1, 4, 12))
+    assert band_counter_deltas(a, b) == (BandCounter(0, 1, 3, 3, 3, 2), b[1])
+    assert band_counter_deltas(b, a) is None  # a row vanished: another run
+    assert band_counter_deltas(b, (BandCounter(0, 1, 3, 7, 8, 9), b[1])) is None

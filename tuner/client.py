@@ -22,7 +22,7 @@ from tuner.errors import (
     ServerUnavailableError,
     UpdateRejectedError,
 )
-from tuner.protocol import DynspecState, ProtocolError, Table, encode_update
+from tuner.protocol import BandTable, DynspecState, ProtocolError, Table, encode_update
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -73,6 +73,9 @@ class SGLangClient:
         self._http = httpx.Client(
             base_url=base, headers=headers, timeout=self._timeout, transport=transport
         )
+        # The protocol the server's plugin spoke at the last read (every replica's lowest):
+        # updates are written in it. None until a read: v1, which every plugin applies.
+        self.protocol: int | None = None
 
     def __repr__(self) -> str:
         return f"SGLangClient({self.address!r})"
@@ -183,6 +186,7 @@ class SGLangClient:
                 raise MalformedReplyError(
                     self.address, f"internal_states[{i}].dynspec: {exc}"
                 ) from exc
+        self.protocol = min(s.protocol for s in out)
         return out
 
     def metrics_text(self) -> str:
@@ -209,18 +213,20 @@ class SGLangClient:
 
     # --- writing ----------------------------------------------------------------------------
 
-    def push(self, table: Table, version: int) -> list[bool]:
-        """Send a table as protocol v1's flat keys; returns SGLang's reply, one boolean per
-        DP replica (``False``: that replica refused the update and changed nothing).
+    def push(self, table: Table | BandTable, version: int) -> list[bool]:
+        """Send a table as flat keys, in the protocol the server spoke at the last read (v1
+        before any read); returns SGLang's reply, one boolean per DP replica (``False``: that
+        replica refused the update and changed nothing).
 
         Raises:
-            ProtocolError: the table or version is invalid (nothing was sent).
+            ProtocolError: the table or version is invalid, or banded for a v1 server
+                (nothing was sent).
             ServerUnavailableError: unreachable, timed out or HTTP 5xx (the update may or
                 may not have been applied: read the state again).
             UpdateRejectedError: SGLang's request validation refused the body (HTTP 4xx).
             MalformedReplyError: a reply that is not a list of booleans.
         """
-        body = {"server_args": encode_update(table, version)}
+        body = {"server_args": encode_update(table, version, protocol=self.protocol or 1)}
         path = SET_STATE_PATH
         response = self._request("POST", path, json=body)
         if response.status_code != 200:

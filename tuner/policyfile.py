@@ -35,7 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from tuner._atomic import write_atomic
-from tuner.protocol import PROTOCOL_VERSION, ProtocolError, Table, table_to_json, validate_table
+from tuner.protocol import ProtocolError, Table, table_to_json, validate_table
+
+# The protocol version of a file's (band-agnostic) table: v1, which every plugin installs.
+PROTOCOL_VERSION = 1
 
 __all__ = [
     "FORMAT",

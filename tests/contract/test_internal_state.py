@@ -76,7 +76,7 @@ def _drop(key):
 
 INVALID = {
     "no protocol": _drop("dynspec_protocol"),
-    "protocol 2": lambda d: {**d, "dynspec_protocol": 2},
+    "protocol 3": lambda d: {**d, "dynspec_protocol": 3},
     "stale version": lambda d: {**d, "dynspec_version": 1},
     "version zero": lambda d: {**d, "dynspec_version": 0},
     "row count too high": lambda d: {**d, "dynspec_rows": 4},

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from _server import VOCAB, http, readout
 
-from tuner.protocol import CounterRow, encode_update
+from tuner.protocol import CounterRow, DynspecState, encode_update
 
 __all__ = [
     "Load",
@@ -152,7 +152,7 @@ def run_client(args: list[str], timeout: float = 600) -> subprocess.CompletedPro
 
 
 def counters(url: str, key: str | None = None) -> tuple[CounterRow, ...]:
-    return tuple(CounterRow.from_json(r) for r in readout(url, key)["counters"])
+    return DynspecState.from_json(readout(url, key)).counters
 
 
 def push(url: str, table, version: int, key: str | None = None) -> tuple[int, object]:

@@ -10,9 +10,11 @@ SGLang calls :func:`register` in every process it starts (entry point group
   validated against them, so no unbuilt step can ever be asked for.
 - **update** (AROUND ``SchedulerInternalStateController.set_internal_state``): ``dynspec_*``
   keys are validated and applied atomically; other keys go to SGLang untouched.
-- **readout** (AFTER ``...get_internal_state``): adds the protocol v1 ``"dynspec"`` section.
+- **readout** (AFTER ``...get_internal_state``): adds the protocol v2 ``"dynspec"`` section.
 - **telemetry** (AFTER ``SchedulerBatchResultProcessor.process_batch_result_decode``):
-  feeds the core's per-``(b, k)`` counters on TP rank 0; an AFTER hook on
+  folds each verify result into the acceptance estimate on every TP rank (the lookup reads
+  its band: docs/protocol.md says why the ranks agree) and feeds the core's counters on TP
+  rank 0; an AFTER hook on
   ``process_batch_result_prefill`` tells the core that a prefill (or mixed) forward launched,
   which ends, and so times, the decode step before it.
 - **trees** (:mod:`tuner.plugin._tree`): four config-time hooks that let a top-k > 1 server
@@ -44,6 +46,7 @@ from tuner.protocol import (
     PROTOCOL_VERSION,
     DynspecState,
     ProtocolError,
+    format_band_table,
     format_table,
     has_dynspec_keys,
     sglang_start_arm,
@@ -88,6 +91,8 @@ HOOK_TARGETS = (
 # workload and SGLang's own step accounting skips them too.
 _HEALTH_CHECK_PREFIX = "HEALTH_CHECK"
 _SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3")
+# Requests of a batch the decode hook looks at one by one (see decode_step_fn).
+FULL_SAMPLE = 32
 
 # Wall-clock start of this process (the plugin is loaded first thing in a scheduler process):
 # the daemon compares it across reads to notice a restart.
@@ -215,9 +220,8 @@ def build_policy_class(base: type) -> type:
         def __init__(self, initial_steps: int, cfg_path: str | None = None) -> None:
             super().__init__(initial_steps, cfg_path)
             self.dynspec: PluginCore | None = None
-            self._dynspec_record: Callable[..., None] | None = None
+            self._dynspec_step: Callable[[Any, Any], None] | None = None
             self._dynspec_forward: Callable[..., None] | None = None
-            self._dynspec_width_arm: dict[int, int] = {}
             try:
                 arms = [int(s) for s in self.candidate_steps]
                 core = _new_core(arms, int(initial_steps), os.environ)
@@ -229,16 +233,18 @@ def build_policy_class(base: type) -> type:
                         len(self._slots),
                     )
                 self._dynspec_default = core.steps_for_batch(1)
-                self._dynspec_width_arm = core.width_arm
-                if _is_tp_rank0():
-                    self._dynspec_record = core.record_decode
+                rank0 = _is_tp_rank0()
+                # Every rank folds verify results into the acceptance estimate (the lookup
+                # needs it everywhere); only rank 0 keeps the counters the readout reports.
+                self._dynspec_step = decode_step_fn(core, record=rank0)
+                if rank0:
                     self._dynspec_forward = core.record_forward
                 self.dynspec = core
                 logger.info(
                     "dynspec: deciding speculative steps per batch; arms %s%s, table %s",
                     list(core.arms),
                     "" if core.tree is None else f" (tree {core.tree.to_json()})",
-                    format_table(core.table),
+                    format_band_table(core.band_table),
                 )
             except Exception as exc:  # stock behaviour rather than a dead server
                 _note_hook_error("policy", exc)
@@ -248,7 +254,11 @@ def build_policy_class(base: type) -> type:
             if core is None:
                 return super().get_steps_for_batch(batch_size)
             try:
-                return core.steps_for_batch(batch_size)
+                # PluginCore.steps_for_batch inlined: this runs at every decode launch.
+                index = core._index
+                ks = index.flat[batch_size] if 0 <= batch_size < index.n_flat else \
+                    index.ks_for(batch_size)
+                return ks[core.acceptance.band]
             except Exception as exc:
                 _note_hook_error("policy", exc)
                 return self._dynspec_default
@@ -305,7 +315,7 @@ def set_internal_state_hook(original: Callable[..., Any], self: Any, recv_req: A
             return out
     try:
         core.commit_update(table, version)
-        logger.info("dynspec: policy v%d applied: %s", version, format_table(table))
+        logger.info("dynspec: policy v%d applied: %s", version, format_band_table(table))
     except Exception as exc:  # cannot happen with a checked table; never raise regardless
         _note_hook_error("update", exc)
         return out if out is not None else _updated(False)
@@ -358,39 +368,69 @@ def get_internal_state_hook(result: Any, self: Any, *args: Any, **kwargs: Any) -
 
 def decode_result_hook(result_: Any, self: Any, batch: Any, result: Any, *args: Any,
                        **kwargs: Any) -> None:
-    """AFTER ``SchedulerBatchResultProcessor.process_batch_result_decode``: telemetry.
-
-    Runs on every decode result, so it stays a handful of attribute reads. ``k`` comes from
-    the result (the step's own width): the worker already holds the next step's setting.
-    """
+    """AFTER ``SchedulerBatchResultProcessor.process_batch_result_decode``: the acceptance
+    estimate (every TP rank) and telemetry (rank 0). Runs on every decode result, so it stays
+    a few attribute reads; the rest is :func:`decode_step_fn`'s closure."""
     try:
-        params = getattr(getattr(self.draft_worker, "adaptive_controller", None), "params", None)
-        record = getattr(params, "_dynspec_record", None)
-        if record is None:  # stock policy, or not TP rank 0
-            return None
-        reqs = batch.reqs
-        b = len(reqs)
-        draft_tokens = result.speculative_num_draft_tokens
-        launch_ts = batch.launch_ts
-        forward_iter = batch.forward_iter
-        if not b or draft_tokens is None or launch_ts is None or forward_iter is None:
-            return None
-        rid = reqs[0].rid
-        if isinstance(rid, str) and rid.startswith(_HEALTH_CHECK_PREFIX):
-            if all(str(r.rid).startswith(_HEALTH_CHECK_PREFIX) for r in reqs):
-                return None
-        record(
-            b,
-            params._dynspec_width_arm.get(draft_tokens, draft_tokens - 1),
-            result.get_num_generated_tokens(b),
-            result.num_correct_drafts,
-            launch_ts,
-            forward_iter,
-            bool(batch.after_idle_gap),
-        )
+        controller = getattr(self.draft_worker, "adaptive_controller", None)
+        step = getattr(getattr(controller, "params", None), "_dynspec_step", None)
+        if step is not None:  # else: stock policy
+            step(batch, result)
     except Exception as exc:
         _note_hook_error("telemetry", exc)
     return None
+
+
+def decode_step_fn(core: PluginCore, *, record: bool) -> Callable[[Any, Any], None]:
+    """What the decode hook does with one ``(batch, result)``, its lookups bound once.
+
+    ``k`` comes from the result (the step's own width): the worker already holds the next
+    step's setting. The per-request accepted counts are SGLang's
+    ``result.num_correct_drafts_per_req_cpu`` (filled before ``on_verify_complete``), the same
+    list on every TP rank. With ``record`` false (TP ranks other than 0) only the estimate
+    is fed.
+    """
+    width_arm = core.width_arm
+    estimate = core.acceptance
+    observe = estimate.observe_totals
+    count = core.telemetry.record
+    sample = FULL_SAMPLE
+    health = _HEALTH_CHECK_PREFIX
+
+    def step(batch: Any, result: Any) -> None:
+        reqs = batch.reqs
+        b = len(reqs)
+        draft_tokens = result.speculative_num_draft_tokens
+        if not b or draft_tokens is None:
+            return
+        rid = reqs[0].rid
+        if rid.__class__ is str and rid.startswith(health):
+            if all(str(r.rid).startswith(health) for r in reqs):
+                return
+        k = width_arm.get(draft_tokens)
+        if k is None:
+            k = draft_tokens - 1
+        accepted = result.num_correct_drafts
+        per_req = result.num_correct_drafts_per_req_cpu
+        # SGLang summed the list into num_correct_drafts already; what is left is how many
+        # requests accepted every draft, counted exactly up to FULL_SAMPLE requests and
+        # scaled from the first FULL_SAMPLE above (deterministic: the same on every rank;
+        # keeps the hook's cost flat in the batch size).
+        if per_req is None:
+            band = estimate.band
+        elif b <= sample:
+            band = observe(k, b, accepted, per_req.count(k))
+        else:
+            band = observe(k, b, accepted, per_req[:sample].count(k) * b / sample)
+        if record:
+            launch_ts = batch.launch_ts
+            forward_iter = batch.forward_iter
+            if launch_ts is None or forward_iter is None:
+                return
+            # emitted is accepted + b for EAGLE; the readout derives it.
+            count(b, k, 0, accepted, launch_ts, forward_iter, batch.after_idle_gap, band)
+
+    return step
 
 
 def prefill_result_hook(result_: Any, self: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
@@ -474,7 +514,7 @@ def _stock_reason(scheduler: Any, state: Mapping[str, Any] | None) -> str:
 
 
 def readout(scheduler: Any, state: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The protocol v1 ``"dynspec"`` section for one scheduler (builtins only).
+    """The ``"dynspec"`` section for one scheduler (builtins only).
 
     With a live core: its table and counters, ``hooks_live`` true unless a hook is missing.
     Without one: a one-arm section (the server's static step count) with ``hooks_live``
@@ -487,10 +527,11 @@ def readout(scheduler: Any, state: Mapping[str, Any] | None = None) -> dict[str,
             missing += _tree.missing_tree_hooks()
         reason = f"hooks not in place: {', '.join(missing)}" if missing else None
         out = core.readout(hooks_live=not missing, reason=reason)
-        # busy_s to the microsecond (SGLang's own step-time resolution): a float sum's full
-        # repr is ~18 characters, on each of up to ~1500 rows (256 batch sizes x 6 arms).
-        for row in out["counters"]:
-            row[6] = round(row[6], 6)
+        if core.protocol == 1:
+            # busy_s to the microsecond (SGLang's own step-time resolution), as v1 plugins
+            # did; v2 writes integer microseconds.
+            for row in out["counters"]:
+                row[6] = round(row[6], 6)
     else:
         steps = (state or {}).get("speculative_num_steps")
         k = steps if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0 else 0

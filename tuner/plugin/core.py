@@ -1,4 +1,4 @@
-"""The plugin's pure core: policy-table lookup and per-``(b, k)`` telemetry.
+"""The plugin's pure core: table lookup by batch size and acceptance band, and telemetry.
 
 Runs inside SGLang's scheduler processes (wrapped by the hooks) and inside the simulator's
 engine, so both execute exactly this code. Builtins only: no sglang, numpy or I/O. Not
@@ -7,19 +7,27 @@ thread-safe by itself; SGLang calls it from one scheduler thread, the simulator 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from tuner.plugin.acceptance import AcceptanceEstimate
 from tuner.protocol import (
+    N_BANDS,
     PROTOCOL_VERSION,
+    UNKNOWN_BAND,
+    BandCounter,
+    BandIndex,
+    BandTable,
     CounterRow,
     DynspecState,
     ProtocolError,
     Table,
-    TableIndex,
     TreeShape,
+    as_band_table,
+    band_agnostic,
+    class_of,
     decode_update,
-    validate_table,
+    is_uniform,
 )
 
 __all__ = ["MAX_STEP_GAP_S", "PluginCore", "Telemetry"]
@@ -29,23 +37,29 @@ MAX_STEP_GAP_S = 2.0
 
 
 class Telemetry:
-    """Cumulative counters keyed by ``(b, k)``, as protocol v1 defines them.
+    """Cumulative counters keyed by ``(b, k)`` and ``(class, band, k)`` (docs/protocol.md).
 
     A decode step's busy time is the launch-to-launch gap to the next *contiguous* forward
     launch (the very next ``forward_iter``, no idle pass between, gap <= ``MAX_STEP_GAP_S``).
     The next forward may be another decode step or a prefill (``close``): under heavy load a
     prefill follows most decode steps, and timing only decode->decode pairs would leave most
-    high-batch steps unmeasured. A step is committed to its row one step late, when that gap
+    high-batch steps unmeasured. A step is committed to its rows one step late, when that gap
     is known; a step whose successor is not contiguous has no measurable duration and is
     counted in ``untimed_steps`` instead, so every row's ``emitted / busy_s`` is unbiased.
+    The band rows count the same timed steps, so summed over bands they add up to the
+    ``(b, k)`` rows of the class.
+
+    Hot path: integer keys (``b * 64 + k``) into dicts of small lists, no objects per step.
     """
 
-    __slots__ = ("_rows", "_pending", "untimed_steps")
+    __slots__ = ("_rows", "_bands", "_pending", "untimed_steps")
 
     def __init__(self) -> None:
-        # (b, k) -> [decode_steps, emitted, accepted, drafted, busy_s]
-        self._rows: dict[tuple[int, int], list[float]] = {}
-        self._pending: tuple[int, int, int, int, float, int] | None = None
+        # b * 64 + k -> [decode_steps, accepted, busy_s]
+        self._rows: dict[int, list[float]] = {}
+        # (class * N_BANDS + band) * 64 + k -> [decode_steps, requests, accepted]
+        self._bands: dict[int, list[int]] = {}
+        self._pending: tuple[int, int, int, float, int, int] | None = None
         self.untimed_steps = 0
 
     def record(
@@ -57,64 +71,122 @@ class Telemetry:
         launch_ts: float,
         forward_iter: int,
         after_idle_gap: bool = False,
+        band: int = UNKNOWN_BAND,
     ) -> None:
         """Record one decode step. ``k`` is the arm it was *launched* with.
 
         Args:
             b: requests in the step.
-            k: draft steps the step was launched with (0 = no drafting).
-            emitted: tokens the step produced (accepted drafts + one per request).
+            k: draft steps the step was launched with (0 = no drafting; at most 63).
+            emitted: tokens the step produced; always ``accepted + b`` for EAGLE, which is
+                how the readout derives it (kept in the signature for the callers' sake).
             accepted: accepted draft tokens.
             launch_ts: monotonic launch time of the step, seconds.
             forward_iter: the scheduler's forward counter at launch (contiguity check).
             after_idle_gap: the scheduler idled between the previous launch and this one
                 (SGLang's ``batch.after_idle_gap``; an idle pass keeps ``forward_iter``
                 contiguous, so the counter alone cannot tell).
+            band: the acceptance band the step counts in (``AcceptanceEstimate.observe``).
         """
-        if self._pending is not None:
-            self.close(launch_ts, forward_iter, after_idle_gap)
-        self._pending = (b, k, emitted, accepted, launch_ts, forward_iter)
+        prev = self._pending
+        self._pending = (b, k, accepted, launch_ts, forward_iter, band)
+        if prev is None:
+            return
+        # _commit inlined: this runs on every decode step.
+        pb, pk, pa, pts, pit, pband = prev
+        gap = launch_ts - pts
+        if after_idle_gap or forward_iter != pit + 1 or not 0.0 <= gap <= MAX_STEP_GAP_S:
+            self.untimed_steps += 1
+            return
+        row = self._rows.get(pb * 64 + pk)
+        if row is None:
+            self._rows[pb * 64 + pk] = [1, pa, gap]
+        else:
+            row[0] += 1
+            row[1] += pa
+            row[2] += gap
+        key = ((_CLASS[pb] if pb < _N_CLASS else class_of(pb)) * N_BANDS + pband) * 64 + pk
+        brow = self._bands.get(key)
+        if brow is None:
+            self._bands[key] = [1, pb, pa]
+        else:
+            brow[0] += 1
+            brow[1] += pb
+            brow[2] += pa
 
     def close(self, launch_ts: float, forward_iter: int, after_idle_gap: bool = False) -> None:
         """A forward launched at ``launch_ts``: commit the pending decode step, timed if contiguous.
 
-        ``record`` calls this for the next decode step; the plugin's prefill-result hook and the
+        ``record`` does this for the next decode step; the plugin's prefill-result hook and the
         simulator call it for any other forward.
         """
         prev = self._pending
         if prev is not None:
             self._pending = None
-            pb, pk, pe, pa, pts, pit = prev
-            gap = launch_ts - pts
-            if not after_idle_gap and forward_iter == pit + 1 and 0.0 <= gap <= MAX_STEP_GAP_S:
-                row = self._rows.get((pb, pk))
-                if row is None:
-                    self._rows[(pb, pk)] = [1, pe, pa, pk * pb, gap]
-                else:
-                    row[0] += 1
-                    row[1] += pe
-                    row[2] += pa
-                    row[3] += pk * pb
-                    row[4] += gap
-            else:
-                self.untimed_steps += 1
+            self._commit(prev, launch_ts, forward_iter, after_idle_gap)
+
+    def _commit(
+        self,
+        prev: tuple[int, int, int, float, int, int],
+        launch_ts: float,
+        forward_iter: int,
+        after_idle_gap: bool,
+    ) -> None:
+        pb, pk, pa, pts, pit, pband = prev
+        gap = launch_ts - pts
+        if after_idle_gap or forward_iter != pit + 1 or not 0.0 <= gap <= MAX_STEP_GAP_S:
+            self.untimed_steps += 1
+            return
+        row = self._rows.get(pb * 64 + pk)
+        if row is None:
+            self._rows[pb * 64 + pk] = [1, pa, gap]
+        else:
+            row[0] += 1
+            row[1] += pa
+            row[2] += gap
+        key = ((_CLASS[pb] if pb < _N_CLASS else class_of(pb)) * N_BANDS + pband) * 64 + pk
+        brow = self._bands.get(key)
+        if brow is None:
+            self._bands[key] = [1, pb, pa]
+        else:
+            brow[0] += 1
+            brow[1] += pb
+            brow[2] += pa
 
     def rows(self) -> tuple[CounterRow, ...]:
-        return tuple(
-            CounterRow(b, k, int(r[0]), int(r[1]), int(r[2]), int(r[3]), float(r[4]))
-            for (b, k), r in sorted(self._rows.items())
-        )
+        out = []
+        for key, (n, a, busy) in sorted(self._rows.items()):
+            b, k = divmod(key, 64)
+            n, a = int(n), int(a)
+            out.append(CounterRow(b, k, n, a + b * n, a, k * b * n, float(busy)))
+        return tuple(out)
+
+    def band_rows(self) -> tuple[BandCounter, ...]:
+        out = []
+        for key, (n, r, a) in sorted(self._bands.items()):
+            cb, k = divmod(key, 64)
+            cls, band = divmod(cb, N_BANDS)
+            out.append(BandCounter(cls, band, k, n, r, a))
+        return tuple(out)
+
+
+# Batch size -> class, for the batch sizes a server commonly runs (bisect above).
+_N_CLASS = 1025
+_CLASS = [class_of(b) for b in range(_N_CLASS)]
 
 
 class PluginCore:
-    """The table a server decides by, its version, and its telemetry.
+    """The table a server decides by, its version, its acceptance estimate and its telemetry.
 
     Args:
         arms: the draft-step counts the server built runtime state for.
         started_at: wall-clock start of the server (tells the daemon about restarts).
-        table: the initial table; defaults to one row using ``default_arm``.
+        table: the initial table (v1 rows or banded rows); defaults to one row using
+            ``default_arm``.
         default_arm: the arm for the default table; defaults to the largest arm.
         tree: the draft tree of a top-k > 1 server, whose arms are ``0`` and ``tree.steps``.
+        protocol: the protocol version this core speaks; 1 behaves as a plugin from before
+            v2 (v1 readout, v1 updates only), for fleets that upgrade one server at a time.
     """
 
     def __init__(
@@ -122,17 +194,23 @@ class PluginCore:
         arms: Iterable[int],
         *,
         started_at: float,
-        table: Table | None = None,
+        table: Table | BandTable | None = None,
         default_arm: int | None = None,
         tree: TreeShape | None = None,
+        protocol: int = PROTOCOL_VERSION,
     ) -> None:
         self.arms = tuple(sorted(set(int(a) for a in arms)))
         if not self.arms or self.arms[0] < 0:
             raise ValueError(f"arms must be a non-empty set of ints >= 0, got {self.arms}")
+        if self.arms[-1] >= 64:
+            raise ValueError(f"arms must be < 64, got {list(self.arms)}")
         if tree is not None and not set(self.arms) <= {0, tree.steps}:
             raise ValueError(
                 f"a tree server's arms are 0 and its depth {tree.steps}, got {list(self.arms)}"
             )
+        if protocol not in (1, PROTOCOL_VERSION):
+            raise ValueError(f"protocol must be 1 or {PROTOCOL_VERSION}, got {protocol}")
+        self.protocol = protocol
         self.tree = tree
         # A step's width (draft tokens it verified) -> the arm it ran: a chain verifies k + 1
         # tokens, the tree its configured node count. The telemetry hook looks steps up here.
@@ -149,21 +227,40 @@ class PluginCore:
         self.updates_rejected = 0
         self.last_rejection: str | None = None
         self.telemetry = Telemetry()
-        self._set_table(validate_table(table or ((None, default_arm),), self.arms))
+        self.acceptance = AcceptanceEstimate()
+        self._set_table(self._checked(table or ((None, default_arm),)))
 
-    def _set_table(self, table: Table) -> None:
+    def _checked(self, table: Table | BandTable) -> BandTable:
+        bt = as_band_table(table)
+        if bt:
+            allowed = set(self.arms)
+            bad = sorted({k for _, ks in bt for k in ks} - allowed)
+            if bad:
+                raise ProtocolError(f"k={bad[0]} is not a built arm {sorted(allowed)}")
+        if self.protocol == 1 and not is_uniform(bt):
+            raise ProtocolError("a protocol v1 plugin has no acceptance bands")
+        return bt
+
+    def _set_table(self, table: BandTable) -> None:
         # One assignment of a fully built index: a reader never sees a half-applied table.
-        self.table = table
-        self._index = TableIndex(table)
+        self.band_table = table
+        self.table = band_agnostic(table)
+        self._index = BandIndex(table)
+        self.ks_for = self._index.ks_for
 
     # --- hot path ---------------------------------------------------------------------------
 
     def steps_for_batch(self, batch_size: int) -> int:
-        return self._index(batch_size)
+        """The arm for a batch of ``batch_size`` in the estimate's current band."""
+        return self.ks_for(batch_size)[self.acceptance.band]
 
     def arm_of_width(self, draft_tokens: int) -> int:
         """The arm a step that verified ``draft_tokens`` tokens per request ran."""
         return self.width_arm.get(draft_tokens, draft_tokens - 1)
+
+    def observe(self, k: int, accepted_per_req: Sequence[int]) -> int:
+        """Fold a verify result into the acceptance estimate; returns the step's band."""
+        return self.acceptance.observe(k, accepted_per_req)
 
     def record_decode(
         self,
@@ -174,8 +271,14 @@ class PluginCore:
         launch_ts: float,
         forward_iter: int,
         after_idle_gap: bool = False,
+        band: int | None = None,
     ) -> None:
-        self.telemetry.record(b, k, emitted, accepted, launch_ts, forward_iter, after_idle_gap)
+        """Count one decode step (``band``: what :meth:`observe` returned for it; default the
+        estimate's band now)."""
+        self.telemetry.record(
+            b, k, emitted, accepted, launch_ts, forward_iter, after_idle_gap,
+            self.acceptance.band if band is None else band,
+        )
 
     def record_forward(
         self, launch_ts: float, forward_iter: int, after_idle_gap: bool = False
@@ -198,26 +301,29 @@ class PluginCore:
         self.commit_update(table, version)
         return True, None
 
-    def check_update(self, server_args: Mapping[str, Any]) -> tuple[Table, int]:
+    def check_update(self, server_args: Mapping[str, Any]) -> tuple[BandTable, int]:
         """Validate the ``dynspec_*`` keys of an update without applying or counting anything.
 
         For callers that must validate more than our keys before committing (the SGLang hook
         lets SGLang check its own keys in between). Pair with :meth:`commit_update` or
-        :meth:`reject`.
+        :meth:`reject`. A v2 core applies v1 and v2 updates; a v1 core only v1.
 
         Raises:
             ProtocolError: naming the rule broken (any other failure is reported as one).
         """
+        accept = (1,) if self.protocol == 1 else (1, PROTOCOL_VERSION)
         try:
-            return decode_update(server_args, arms=self.arms, current_version=self.version)
+            return decode_update(
+                server_args, arms=self.arms, current_version=self.version, accept=accept
+            )
         except ProtocolError:
             raise
         except Exception as exc:  # hostile payloads must never escape as anything else
             raise ProtocolError(f"malformed update: {type(exc).__name__}: {exc}") from exc
 
-    def commit_update(self, table: Table, version: int) -> None:
+    def commit_update(self, table: Table | BandTable, version: int) -> None:
         """Apply a table that :meth:`check_update` returned (no validation repeated)."""
-        self._set_table(table)
+        self._set_table(as_band_table(table))
         self.version = version
         self.updates_applied += 1
         self.last_rejection = None
@@ -228,15 +334,17 @@ class PluginCore:
         self.last_rejection = reason
         return False, reason
 
-    def install(self, table: Table, version: int) -> None:
+    def install(self, table: Table | BandTable, version: int) -> None:
         """Install a table at start (from a policy file). Raises ``ProtocolError`` if invalid."""
-        table = validate_table(table, self.arms)
+        bt = self._checked(table)
         if version < 0:
             raise ProtocolError(f"version must be >= 0, got {version}")
-        self._set_table(table)
+        self._set_table(bt)
         self.version = int(version)
 
     def state(self, *, hooks_live: bool = True, reason: str | None = None) -> DynspecState:
+        est = self.acceptance
+        v2 = self.protocol >= 2
         return DynspecState(
             arms=self.arms,
             policy_version=self.version,
@@ -249,8 +357,11 @@ class PluginCore:
             reason=reason,
             untimed_steps=self.telemetry.untimed_steps,
             last_rejection=self.last_rejection,
-            protocol=PROTOCOL_VERSION,
+            protocol=self.protocol,
             tree=self.tree,
+            band_table=None if is_uniform(self.band_table) else self.band_table,
+            bands=self.telemetry.band_rows() if v2 else (),
+            acceptance=(est.band, est.alpha) if v2 else None,
         )
 
     def readout(self, *, hooks_live: bool = True, reason: str | None = None) -> dict[str, Any]:
