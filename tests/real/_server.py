@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
 STAND_IN = HERE / "_stand_in"
 REASON = (
     "needs a real SGLang 0.5.23 server environment: run scripts/real-sglang.sh (it builds the "
@@ -194,11 +195,17 @@ class RealServer:
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
-        path = [str(STAND_IN)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        # The checkout under test goes before the shared venv's editable install of the
+        # package, which points at whichever clone last built that venv.
+        path = [str(STAND_IN), str(REPO)]
+        path += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         env.update(
             PYTHONPATH=os.pathsep.join(path),
             SGLANG_USE_CPU_ENGINE="1",
             TORCHDYNAMO_DISABLE="1",
+            # One torch thread: a hidden size of 128 gains nothing from two, and on a loaded
+            # 2-core machine every op of a two-thread step waits for the slower thread.
+            OMP_NUM_THREADS="1",
             SGLANG_PLUGINS=self.spec.plugins,
             PYTHONUNBUFFERED="1",
         )
@@ -280,6 +287,21 @@ class RealServer:
                     pass
             time.sleep(poll_s)
         raise RuntimeError(f"port {self.spec.port} still in use {timeout_s:.0f} s after kill")
+
+    def scheduler_cpu_s(self) -> float:
+        """CPU seconds the server's scheduler process (where every forward runs) has used."""
+        assert self.proc is not None, "not running"
+        tick = os.sysconf("SC_CLK_TCK")
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    comm, rest = f.read().split(" (", 1)[1].rsplit(") ", 1)
+            except (OSError, ValueError):
+                continue
+            fields = rest.split()
+            if int(fields[2]) == self.proc.pid and comm.startswith("sglang::sched"):
+                return (int(fields[11]) + int(fields[12])) / tick
+        raise RuntimeError(f"no scheduler process in the group of {self.proc.pid}")
 
     def log_tail(self, n: int = 60) -> str:
         try:

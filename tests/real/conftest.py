@@ -25,7 +25,9 @@ from _server import HERE, RealServer, ServerSpec, need_server_env  # this folder
 
 from tests._no_skip import NoSkips
 
-RESULTS = Path(os.environ.get("DYNSPEC_REAL_RESULTS", HERE.parents[1] / "benchmarks" / "results"))
+# Where the tier writes its figures: $DYNSPEC_RESULTS_DIR, or a fresh folder under pytest's
+# temporary directory; never the checkout (copy the ones to keep into benchmarks/results/).
+_RESULTS: list[Path] = []
 
 
 def pytest_configure(config):
@@ -98,6 +100,8 @@ def pytest_terminal_summary(terminalreporter):
     """What the tier cost: server starts, time waiting for them, CPU seconds."""
     import _server
 
+    for folder in _RESULTS:
+        terminalreporter.write_line(f"real-server figures written to {folder}")
     if not _server.STARTED:
         return
     for server in _server.STARTED:  # all dead by now (their fixtures ended): a no-op
@@ -123,9 +127,12 @@ def plugin_server(servers) -> RealServer:
 
 
 @pytest.fixture(scope="session")
-def results_dir() -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    return RESULTS
+def results_dir(tmp_path_factory) -> Path:
+    env = os.environ.get("DYNSPEC_RESULTS_DIR")
+    folder = Path(env) if env else tmp_path_factory.mktemp("results")
+    folder.mkdir(parents=True, exist_ok=True)
+    _RESULTS.append(folder)
+    return folder
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,149 @@
+"""Pinned arms compared in paired rounds (imported by name; pure, no server).
+
+A measurement runs in rounds; each round pins every arm once for one slice, in an order that
+rotates from round to round. An arm's goodput is what the daemon optimises: its emitted tokens
+over its busy seconds (the plugin's counters), summed over all rounds. Two arms are compared by
+the log of their goodput ratio, whose standard error takes the rounds as units (delta method):
+load from outside that drifts from one round to the next slows both arms of a round alike and
+cancels in the pair. Unpaired errors from the spread of single slices were 15-30 % on the
+shared 2-core machine, too wide to decide 2 %.
+
+A learned arm is then, against the measured best, ``within`` the tolerance, ``worse`` (its
+shortfall is over the tolerance and over the measurement's resolution, two standard errors of
+the paired log ratio), or ``unresolved`` (over the tolerance, but within the resolution: the
+measurement cannot tell the two apart, and says so).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+__all__ = ["Tally", "Verdict", "arm_figures", "compare", "log_ratio", "round_order", "settled"]
+
+
+@dataclass(frozen=True)
+class Tally:
+    """One arm's counter deltas in one round (the bucket under test only)."""
+
+    emitted: int = 0
+    busy_s: float = 0.0
+    steps: int = 0
+    accepted: int = 0
+    drafted: int = 0
+
+    def __add__(self, other: Tally) -> Tally:
+        return Tally(self.emitted + other.emitted, self.busy_s + other.busy_s,
+                     self.steps + other.steps, self.accepted + other.accepted,
+                     self.drafted + other.drafted)  # fmt: skip
+
+
+Rounds = Sequence[Mapping[int, Tally]]  # round -> arm -> what it ran in that round's slice
+
+
+def round_order(arms: Sequence[int], r: int) -> list[int]:
+    """Round ``r``'s order: rotated, so that every arm takes every place in turn (the first
+    slice of a round follows another arm's, and a slow start would otherwise fall on one)."""
+    s = r % len(arms)
+    return [*arms[s:], *arms[:s]]
+
+
+def _total(rounds: Rounds, k: int) -> Tally:
+    out = Tally()
+    for r in rounds:
+        out = out + r.get(k, Tally())
+    return out
+
+
+def _units(rounds: Rounds, k: int) -> list[float] | None:
+    """Each round's share of ``log(goodput k)``'s linearisation: e_r/E - t_r/T."""
+    tot = _total(rounds, k)
+    if tot.emitted <= 0 or tot.busy_s <= 0:
+        return None
+    return [r.get(k, Tally()).emitted / tot.emitted - r.get(k, Tally()).busy_s / tot.busy_s
+            for r in rounds]  # fmt: skip
+
+
+def _se(units: list[float]) -> float:
+    n = len(units)
+    return math.sqrt(n / (n - 1) * sum(u * u for u in units)) if n > 1 else math.inf
+
+
+def goodput(rounds: Rounds, k: int) -> float | None:
+    tot = _total(rounds, k)
+    return tot.emitted / tot.busy_s if tot.busy_s > 0 and tot.emitted > 0 else None
+
+
+def log_ratio(rounds: Rounds, a: int, b: int) -> tuple[float, float] | None:
+    """``log(goodput a / goodput b)`` and its paired standard error (None if either arm ran no
+    timed step)."""
+    ga, gb, ua, ub = goodput(rounds, a), goodput(rounds, b), _units(rounds, a), _units(rounds, b)
+    if ga is None or gb is None or ua is None or ub is None:
+        return None
+    return math.log(ga / gb), _se([x - y for x, y in zip(ua, ub)])
+
+
+def arm_figures(rounds: Rounds, arms: Iterable[int]) -> dict[int, dict]:
+    """Per arm: goodput (tok/s of busy time), its own (unpaired) relative standard error over
+    rounds, steps, mean step time and measured acceptance (accepted / drafted)."""
+    out = {}
+    for k in arms:
+        tot, units = _total(rounds, k), _units(rounds, k)
+        out[k] = {
+            "goodput": goodput(rounds, k),
+            "rel_se": _se(units) if units is not None else None,
+            "steps": tot.steps,
+            "step_ms": 1000 * tot.busy_s / tot.steps if tot.steps else None,
+            "acceptance": tot.accepted / tot.drafted if tot.drafted else None,
+        }
+    return out
+
+
+@dataclass(frozen=True)
+class Verdict:
+    best: int
+    chosen: int
+    gap: float  # 1 - goodput(chosen) / goodput(best): 0 when the learned arm is the best
+    se: float  # paired standard error of log(goodput chosen / goodput best); 0 when the same
+    verdict: str  # "within" | "unresolved" | "worse"
+
+    @property
+    def resolution(self) -> float:
+        """The smallest shortfall this measurement tells from none: two standard errors."""
+        return 1 - math.exp(-2 * self.se)
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict != "worse"
+
+
+def compare(rounds: Rounds, arms: Sequence[int], chosen: int, tolerance: float) -> Verdict:
+    """The arm with the highest goodput against ``chosen``."""
+    figures = {k: goodput(rounds, k) for k in arms}
+    missing = [k for k, g in figures.items() if g is None]
+    if missing:
+        raise ValueError(f"arms {missing} ran no timed step in the bucket")
+    best = max(arms, key=lambda k: figures[k])
+    if chosen == best:
+        return Verdict(best, chosen, 0.0, 0.0, "within")
+    lr = log_ratio(rounds, chosen, best)
+    assert lr is not None
+    value, se = lr
+    gap = 1 - math.exp(value)
+    if gap <= tolerance:
+        verdict = "within"
+    elif -value > 2 * se:
+        verdict = "worse"
+    else:
+        verdict = "unresolved"
+    return Verdict(best, chosen, gap, se, verdict)
+
+
+def settled(rounds: Rounds, arms: Sequence[int], tolerance: float) -> bool:
+    """Whatever arm a table picks, its verdict is known: every arm is within the tolerance of
+    the measured best, or short of it by more than the resolution."""
+    try:
+        return all(compare(rounds, arms, k, tolerance).verdict != "unresolved" for k in arms)
+    except ValueError:  # an arm not measured yet
+        return False
