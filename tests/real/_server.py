@@ -233,9 +233,12 @@ class RealServer:
         self._spawned_at = time.monotonic()
         return self
 
-    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> RealServer:
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S, *, from_now: bool = False
+                   ) -> RealServer:  # fmt: skip
+        """Wait for ``/health`` until ``timeout_s`` after the launch, or after now with
+        ``from_now`` (a server launched ahead of its use shared the cores meanwhile)."""
         assert self.proc is not None, "spawn() first"
-        deadline = self._spawned_at + timeout_s
+        deadline = (time.monotonic() if from_now else self._spawned_at) + timeout_s
         while time.monotonic() < deadline:
             if self.healthy():
                 self.start_s.append(time.monotonic() - self._spawned_at)

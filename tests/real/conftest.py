@@ -115,7 +115,8 @@ def pytest_terminal_summary(terminalreporter):
     names = ", ".join(f"{s.spec.workdir.name} x{len(s.start_s)}" for s in _server.STARTED)
     terminalreporter.write_line(
         f"real servers: {len(starts)} starts ({names}); {sum(starts):.0f} s from launch to "
-        f"healthy, summed (longest {max(starts, default=0):.0f} s); CPU {server_cpu:.0f} s "
+        f"healthy or, if launched ahead, to first use, summed (longest "
+        f"{max(starts, default=0):.0f} s); CPU {server_cpu:.0f} s "
         f"in servers + {rest:.0f} s in tests, daemons and CLI runs"
     )
 

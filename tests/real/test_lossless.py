@@ -14,7 +14,7 @@ exercises the accepted tree paths that EAGLE-3 with a random draft barely reache
 The seed server's shape (EAGLE-3, top-k 4, 16 draft tokens) also carries the issue's target
 end to end: every decode step counted on the arm the pushed table gives its batch size, the
 daemon's own pushes applied while the outputs stay identical, and what the off arm costs and
-saves against the tree at 1, 4 and 8 requests (figures to ``benchmarks/results/``).
+saves against the tree at 1, 4 and 8 requests (figures to the tier's results folder).
 
 Servers are the expensive part (about 40 s to start, 2.6 GB, and an idle scheduler keeps a
 core busy), so the module keeps one up at a time and tests that share a server's flags run
@@ -70,12 +70,15 @@ TREE_SWITCH = ((2, 2), (4, 0), (6, 2), (None, 0))
 # The seed server's shape (top-k 4, 16 draft tokens, 2 steps) with EAGLE-3's own draft model.
 SEED_TREE = Variant("eagle3-tree16", "EAGLE3", 4, 2, 16, (0, 2), TREE_SWITCH)
 COPY_TREE = Variant("standalone-tree", "STANDALONE", 4, 2, 8, (0, 2), TREE_SWITCH)
+PLAIN = Variant("plain", None)
 VARIANTS = [
     Variant("eagle3-chain", "EAGLE3", 1, 3, 4, (0, 1, 3), CHAIN_SWITCH),
     Variant("standalone-chain", "STANDALONE", 1, 3, 4, (0, 1, 3), CHAIN_SWITCH),
     SEED_TREE,
     COPY_TREE,
 ]
+# The order the tests use the servers in (the file's order).
+SERVE_ORDER = [PLAIN, *VARIANTS]
 # Requests per batch at which the off arm is measured against the tree (max_running is 8).
 COST_BATCHES = (1, 4, 8)
 COST_NEW_TOKENS = 32
@@ -99,7 +102,7 @@ class LosslessServer(RealServer):
             "--device", "cpu", "--host", "127.0.0.1", "--port", str(spec.port),
             "--prefill-attention-backend", "intel_amx", "--decode-attention-backend", "intel_amx",
             "--disable-cuda-graph", "--max-running-requests", str(spec.max_running),
-            "--max-total-tokens", "8192", "--context-length", "1024",
+            "--max-total-tokens", "8192", "--context-length", "1024", "--sleep-on-idle",
         ]  # fmt: skip
         if v.algorithm is None:
             return cmd
@@ -141,29 +144,39 @@ def break_flag(workdir: Path) -> Path:
 @pytest.fixture(scope="module")
 def serve(workdir) -> Iterator[Callable[[Variant], LosslessServer]]:
     """``serve(variant)``: that variant's server, started unless it is the one up; the one
-    up before is killed first, and the last when the module ends."""
+    up before is killed first, and the last when the module ends. The server that SERVE_ORDER
+    names next is launched as soon as one is served, so that it starts while the tests run
+    on this one (it idles asleep, ``--sleep-on-idle``, until it is served)."""
     need_server_env()
-    up: list[LosslessServer] = []
+    up: dict[Variant, LosslessServer] = {}
 
-    def get(variant: Variant) -> LosslessServer:
-        if up and up[0].variant == variant:
-            return up[0]
-        while up:
-            up.pop().kill()
+    def launch(variant: Variant) -> LosslessServer:
         plugins = "dynspec" if variant.algorithm else "no-plugin-at-all"
         server = LosslessServer(
             ServerSpec(workdir=workdir / variant.name, plugins=plugins, alpha=None,
                        extra_env={"DYNSPEC_BREAK_TREE_MASK_FILE": str(break_flag(workdir))}),
             variant,
         )  # fmt: skip
-        up.append(server)
-        return server.start()
+        up[variant] = server.spawn()
+        return server
+
+    def get(variant: Variant) -> LosslessServer:
+        for other in [v for v in up if v != variant]:
+            if SERVE_ORDER.index(other) < SERVE_ORDER.index(variant):  # done with it
+                up.pop(other).kill()
+        server = up.get(variant) or launch(variant)
+        later = SERVE_ORDER[SERVE_ORDER.index(variant) + 1:]
+        if later and later[0] not in up:
+            launch(later[0])
+        if not server.start_s:  # not waited for yet
+            server.wait_ready(from_now=True)
+        return server
 
     try:
         yield get
     finally:
-        while up:
-            up.pop().kill()
+        for server in up.values():
+            server.kill()
 
 
 def prompts() -> tuple[list[list[int]], list[int]]:
@@ -187,7 +200,7 @@ def greedy(url: str, n: int = N_PROMPTS, max_new: int | None = None) -> list[lis
 
 @pytest.fixture(scope="module")
 def reference(serve) -> list[list[int]]:
-    tokens = greedy(serve(Variant("plain", None)).url)
+    tokens = greedy(serve(PLAIN).url)
     _, max_new = prompts()
     assert [len(t) for t in tokens] == max_new
     return tokens
