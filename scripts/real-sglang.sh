@@ -11,7 +11,9 @@
 #      sweep and report run from there, as they would beside a production server.
 # Then runs tests/real with DYNSPEC_REQUIRE_REAL=1: any failure or skip fails the script.
 #
-# Env: DYNSPEC_CONTRACT_CACHE / DYNSPEC_CONTRACT_PYTHON as for contract-env.sh.
+# Env: DYNSPEC_CONTRACT_CACHE / DYNSPEC_CONTRACT_PYTHON as for contract-env.sh;
+# DYNSPEC_RESULTS_DIR: where the tier writes its figures (JSON), by default a temporary folder
+# named at the end of the run; the checkout is left as it was.
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
