@@ -157,9 +157,10 @@ class _SpyCore(PluginCore):
         self.events.append(("launch", k))
         return k
 
-    def record_decode(self, b, k, emitted, accepted, launch_ts, forward_iter, idle=False):
+    def record_decode(self, b, k, emitted, accepted, launch_ts, forward_iter, idle=False,
+                      band=None):
         self.events.append(("record", k, forward_iter))
-        super().record_decode(b, k, emitted, accepted, launch_ts, forward_iter, idle)
+        super().record_decode(b, k, emitted, accepted, launch_ts, forward_iter, idle, band)
 
 
 def test_telemetry_records_step_n_after_launching_n_plus_1_with_its_launch_arm():

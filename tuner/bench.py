@@ -265,10 +265,12 @@ class _SGLangCore(PluginCore):
         return k if k in self.arms else max(a for a in self.arms if a <= k)
 
     def record_decode(self, b: int, k: int, emitted: int, accepted: int, launch_ts: float,
-                      forward_iter: int, after_idle_gap: bool = False) -> None:
+                      forward_iter: int, after_idle_gap: bool = False,
+                      band: int | None = None) -> None:
         per, extra = divmod(int(accepted), max(b, 1))
         self._params.on_verify_complete([per + (1 if i < extra else 0) for i in range(b)], b)
-        super().record_decode(b, k, emitted, accepted, launch_ts, forward_iter, after_idle_gap)
+        super().record_decode(b, k, emitted, accepted, launch_ts, forward_iter, after_idle_gap,
+                              band)
 
 
 @dataclass

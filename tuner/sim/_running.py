@@ -62,14 +62,15 @@ class RunningRows:
         self.version += 1
         return bool((self.rem[n0 : n0 + m] <= 0).any())
 
-    def draft_step(self, n: int, k: int) -> int:
-        """The first ``n`` requests run a step at arm ``k`` > 0; returns the drafts accepted."""
+    def draft_step(self, n: int, k: int) -> np.ndarray:
+        """The first ``n`` requests run a step at arm ``k`` > 0; returns each one's accepted
+        drafts."""
         self.sync(n)
         acc = self._draw(n, k)
         rem = self.rem[:n]
         rem -= acc
         rem -= 1
-        return int(acc.sum())
+        return acc
 
     def sync(self, n: int) -> None:
         """Bring drifting requests' rows to their progress (a no-op without drift; idempotent,

@@ -30,7 +30,10 @@ What one iteration does, as SGLang 0.5.23's scheduler does it:
   and each step's best arm for the very requests running, would have yielded in expectation.
 - **Telemetry** goes through ``core.record_decode`` exactly as the plugin's hook does: with the
   overlap scheduler, step N's result is processed after step N+1 launched, and it is recorded
-  with the arm N was *launched* with, its launch time and its forward counter.
+  with the arm N was *launched* with, its launch time and its forward counter. Processing it
+  also feeds the core's acceptance estimate (:mod:`tuner.plugin.acceptance`) as the plugin's
+  hook does, so a banded table switches on the same signal here as on a server, and the
+  step counts in the band the estimate returns.
 
 Time is virtual (seconds from 0). Nothing here reads a clock or sleeps; the HTTP server maps
 it to real time.
@@ -46,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from tuner.plugin._sglang import FULL_SAMPLE
 from tuner.plugin.core import PluginCore
 from tuner.sim._counters import EngineCounters
 from tuner.sim._requests import Request, RequestLog, RequestStats
@@ -191,7 +195,7 @@ class Engine:
         self._next_rid = 0
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # aligned with self._rows
-        self._pending: tuple[int, int, int, int, float, int, bool] | None = None
+        self._pending: tuple[int, int, int, int, float, int, bool, float] | None = None
         self._log = RequestLog()
         self._load: Load = NoLoad()
         self._load_next = math.inf
@@ -313,7 +317,11 @@ class Engine:
         p = self._pending
         if p is not None:
             self._pending = None
-            self.core.record_decode(*p)
+            n, k, emitted, accepted, launch, fi, idled, full = p
+            # As the plugin's decode hook: the verify result feeds the batch's acceptance
+            # estimate, and the step counts in the band that returns.
+            band = self.core.acceptance.observe_totals(k, n, accepted, full)
+            self.core.record_decode(n, k, emitted, accepted, launch, fi, idled, band=band)
 
     def _prefill(self) -> None:
         running, waiting = self._running, self._waiting
@@ -359,14 +367,22 @@ class Engine:
         self._flush()
         rows = self._rows
         self.step_oracle.step(rows, n, pb, k, dt)
+        full: float = 0
         if k > 0:
-            accepted = rows.draft_step(n, k)
+            acc = rows.draft_step(n, k)
+            accepted = int(acc.sum())
+            # Requests that accepted every draft, counted as the plugin's decode hook counts
+            # them (tuner.plugin._sglang.decode_step_fn): exactly up to FULL_SAMPLE requests,
+            # scaled from the first FULL_SAMPLE above.
+            full = int(np.count_nonzero(acc[:FULL_SAMPLE] == k))
+            if n > FULL_SAMPLE:
+                full = full * n / FULL_SAMPLE
         else:
             accepted = 0
             rows.plain_step(n, self.skip_zero_draft_extend)
         emitted = accepted + n
         self.now = launch + dt
-        self._pending = (n, k, emitted, accepted, launch, fi, self._idled)
+        self._pending = (n, k, emitted, accepted, launch, fi, self._idled, full)
         self._idled = False
         c = self.counters
         window = c.count_decode(n, launch, fi, emitted, accepted, pb <= self._costs.graph_max)
