@@ -47,6 +47,7 @@ class _Pusher:
         srv.interval_goodput = emitted / busy if busy > 0 else math.nan
         if self.metrics is not None and records:
             self.metrics.record_observations(srv.address, len(records))
+            self.metrics.record_sums(srv.address, observations, now)  # the gain's jackknife
         self._holdout_observe(srv, observations, now)
         return used
 
