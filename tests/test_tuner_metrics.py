@@ -134,3 +134,32 @@ def test_gain_over_start_k0_and_always_is_exposed_with_its_interval() -> None:
     assert samples[("dynspec_gain_measured_share", labels)] == 1.0
     start = (("baseline", "start"), ("server", "a:1"))
     assert ("dynspec_gain_ratio", start) in samples
+
+
+def test_the_gain_interval_is_the_jackknife_over_stretches_of_readings() -> None:
+    """Readings whose goodput drifts from stretch to stretch widen the interval past the
+    per-interval delta method's; with fewer than three stretches it is the delta method's."""
+    from types import SimpleNamespace as Obs
+
+    from tuner.tuner_metrics import GAIN_STRETCH_S
+
+    def interval(stretches: int) -> tuple[float, float, float]:
+        m = TunerMetrics()
+        m.set_snapshot("a:1", _snapshot((3, 3, 0)))
+        m.set_tables("a:1", start=((None, 3),), current=((4, 3), (None, 0)))
+        for j in range(stretches):
+            drift = 1.3 if j % 2 else 0.7  # the load's swing, shared by neighbouring readings
+            m.record_sums("a:1", [Obs(b=2, k=3, emitted_tokens=250 * drift, busy_s=1.0),
+                                  Obs(b=2, k=0, emitted_tokens=120.0, busy_s=1.0)],
+                          now=j * GAIN_STRETCH_S + 1.0)
+        with m.serve(port=0) as srv:
+            samples = _samples(httpx.get(srv.url).text)
+        labels = (("baseline", "k0"), ("server", "a:1"))
+        return tuple(samples[(f"dynspec_gain_ratio{x}", labels)] for x in ("", "_lower",
+                                                                           "_upper"))
+
+    r0, lo0, hi0 = interval(2)
+    r1, lo1, hi1 = interval(8)
+    assert r0 == r1  # the point estimate stays the policy's
+    assert lo0 < r0 < hi0
+    assert hi1 - lo1 > 3 * (hi0 - lo0)

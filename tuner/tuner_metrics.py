@@ -37,7 +37,15 @@ name                                            type    labels
 The gain (:mod:`tuner.gain`) is the table the server runs against ``baseline`` = ``start``
 (the table it started on), ``k0`` and ``always`` (the always-speculate arm), from the
 policy's estimates, each bucket weighted by its decode steps; ``measured_share`` is the
-weight where the policy has seen both arms in that bucket (the rest is its model's). The
+weight where the policy has seen both arms in that bucket (the rest is its model's). Its
+interval is ``report``'s delete-a-group jackknife (:mod:`tuner.report_gain`) over the last
+``GAIN_STRETCHES`` stretches of ``GAIN_STRETCH_S`` seconds of readings, kept as sums per
+``(b, k)`` and stretch (a few hundred numbers per server): the gain is recomputed from the
+measured goodputs without each stretch in turn (an arm a stretch-less remainder lacks keeps
+the policy's estimate; the weights stay the policy's) and the half-width is ``t(G−1)`` times
+the jackknife's standard error, or the delta method's where that is wider. Readings next to
+each other share the load's and acceptance's drift, which the per-interval delta method
+alone ignores (too narrow); with fewer than 3 stretches yet it is the delta method's. The
 ``switchback`` figures are the experiment's (:mod:`tuner.switchback`): the tuned table against
 the server's starting table in randomised adjacent windows; absent until a pair is complete.
 =============================================== ======= =======================================
@@ -53,7 +61,8 @@ import json
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 from socketserver import ThreadingMixIn
@@ -73,6 +82,10 @@ DEFAULT_METRICS_ADDR = "127.0.0.1"
 # /healthz turns 503 when the loop has not finished a tick for this long. A tick waits at
 # most about an interval plus an HTTP timeout; this leaves room for a slow database too.
 DEFAULT_STALE_AFTER_S = 60.0
+
+# The /metrics gain's jackknife: stretches of readings left out in turn (fixed in advance).
+GAIN_STRETCHES = 8
+GAIN_STRETCH_S = 60.0
 
 _COUNTERS = {
     "pushes": "Policy tables the server applied.",
@@ -94,6 +107,8 @@ class _ServerState:
     switchback: Any = None  # tuner.switchback.SwitchbackGain
     holdout_active: bool | None = None
     counts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(_COUNTERS, 0.0))
+    # (stretch index, {(b, k): [emitted tokens, busy s]}), the newest last: the gain's jackknife
+    stretches: deque = field(default_factory=lambda: deque(maxlen=GAIN_STRETCHES))
 
 
 class TunerMetrics:
@@ -159,6 +174,21 @@ class TunerMetrics:
         if n < 0:
             raise ValueError(f"observation count must be >= 0, got {n}")
         self._count(server, "observations", n)
+
+    def record_sums(self, server: str, observations: Iterable[Any], now: float) -> None:
+        """Add one reading's observations (``b``, ``k``, ``emitted_tokens``, ``busy_s``) to the
+        stretch ``now`` falls in, for the gain's jackknife."""
+        idx = math.floor(now / GAIN_STRETCH_S)
+        with self._lock:
+            st = self._state(server)
+            if not st.stretches or st.stretches[-1][0] != idx:
+                st.stretches.append((idx, {}))
+            sums = st.stretches[-1][1]
+            for o in observations:
+                if o.busy_s > 0:
+                    row = sums.setdefault((o.b, o.k), [0.0, 0.0])
+                    row[0] += o.emitted_tokens
+                    row[1] += o.busy_s
 
     def set_tables(self, server: str, *, start: tuple | None, current: tuple | None) -> None:
         """The tables behind the gain figures: the server's starting one and the one it runs."""
@@ -306,7 +336,9 @@ class TunerMetrics:
 
 def _copy(s: _ServerState) -> _ServerState:
     return _ServerState(s.snapshot, s.start, s.current, s.version, s.up, s.plugin,
-                        s.switchback, s.holdout_active, dict(s.counts))
+                        s.switchback, s.holdout_active, dict(s.counts),
+                        deque(((i, {key: list(v) for key, v in st.items()})
+                               for i, st in s.stretches), maxlen=GAIN_STRETCHES))
 
 
 def _switchback_families(servers: dict[str, _ServerState]) -> Iterator[Metric]:
@@ -339,6 +371,7 @@ def _switchback_families(servers: dict[str, _ServerState]) -> Iterator[Metric]:
 def _gain_families(servers: dict[str, _ServerState]) -> Iterator[Metric]:
     from tuner.gain import ArmValue, BucketValues, estimate_gain
     from tuner.report import always_arm
+    from tuner.report_gain import _widen
 
     names = {"": "Estimated goodput gain of the table in effect over a baseline table.",
              "_lower": "Lower end of the gain's 95% interval.",
@@ -362,14 +395,52 @@ def _gain_families(servers: dict[str, _ServerState]) -> Iterator[Metric]:
         bases = {"start": s.start, "k0": ((None, 0),) if 0 in snap.arms else None}
         always = always_arm(snap.arms)
         bases["always"] = ((None, always),) if always is not None else None
+        bases = {k: v for k, v in bases.items() if v}
+        jack = _jackknife(snap, buckets, list(s.stretches), s.current, bases)
         for baseline, base in bases.items():
-            g = estimate_gain(baseline, buckets, s.current, base) if base else None
+            g = estimate_gain(baseline, buckets, s.current, base)
             if g is None:
                 continue
+            g = _widen(g, jack.get(baseline, ()))
             for k, v in (("", g.ratio), ("_lower", g.low), ("_upper", g.high),
                          ("_measured_share", g.measured_share)):
                 fams[k].add_metric([name, baseline], v)
     yield from fams.values()
+
+
+def _jackknife(snap: PolicySnapshot, buckets: list, stretches: list, table: tuple,
+               bases: dict) -> dict[str, list[float]]:
+    """Per baseline, the gain without each stretch in turn: measured goodputs from the other
+    stretches' sums (where an arm has readings in at least two of them), the policy's
+    estimate elsewhere, the policy's weights."""
+    from tuner.gain import ArmValue, BucketValues, estimate_gain
+
+    out: dict[str, list[float]] = {name: [] for name in bases}
+    if len(stretches) < 3:
+        return out
+    for left in range(len(stretches)):
+        sums: dict[tuple[int, int], list[float]] = {}
+        for j, (_, st) in enumerate(stretches):
+            if j == left:
+                continue
+            for (b, k), (e, t) in st.items():
+                row = sums.setdefault((snap.buckets.index(b), k), [0.0, 0.0, 0])
+                row[0] += e
+                row[1] += t
+            for key in {(snap.buckets.index(b), k) for b, k in st}:
+                sums[key][2] += 1
+        values = []
+        for i, bv in enumerate(buckets):
+            arms = dict(bv.arms)
+            for (bi, k), (e, t, n) in sums.items():
+                if bi == i and n >= 2 and t > 0:
+                    arms[k] = ArmValue(e / t, 0.0, True)
+            values.append(BucketValues(bv.weight, bv.high, arms))
+        for name, base in bases.items():
+            g = estimate_gain(name, values, table, base)
+            if g is not None and math.isfinite(g.ratio):
+                out[name].append(g.ratio)
+    return out
 
 
 class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
