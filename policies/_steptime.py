@@ -54,19 +54,28 @@ DEFAULT_FIELD_LENGTHS_K: tuple[float, ...] = (2.0, 16.0)
 # Prior spread of k = 0's own intercept relative to the typical step: until k = 0 runs
 # somewhere, its step time is the k > 0 arms' trend carried to k = 0 within about this much.
 DEFAULT_ZERO_ARM_SD = 0.15
+# Token counts at which the saturating weight-read features reach 63 % of their height: a
+# spread of scales, so the fit can place a curve whose knee it does not know.
+_SATURATION_TOKENS: tuple[float, ...] = (2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0)
+_N_SHARED = 4 + len(_SATURATION_TOKENS)  # non-negative costs; k = 0's own two come last
 _RIDGE = 1e-4
 _MAX_SD = 0.5  # posterior spread where nothing is known (log step time)
 _JITTER = 1e-10
 
 
 def cost_features(b: float, k: int) -> list[float]:
-    """Features of the bilinear cost model at batch size ``b``, arm ``k``."""
+    """Features of the cost model at batch size ``b``, arm ``k``."""
     # Per-request cost (b) is shared by every arm, each draft token adds its own (b·k). k = 0
     # (no verify) has its own intercept and slope in b, both held near zero by the prior
     # until k = 0 runs: so its growth in b is learnt from every arm until it has its own.
+    # Weight reads that saturate in the tokens a forward carries, n = b·(k+1) (the experts a
+    # mixture-of-experts step wakes), share one curve across arms: k = 0 at 256 requests and
+    # a 16-token verify at 16 read alike, so one arm's cells say where another's flatten.
     z = 1.0 if k == 0 else 0.0
     bs = b / 64.0
-    return [1.0, bs, k / 4.0, bs * k / 4.0, z, z * bs]
+    n = b * (k + 1)
+    return [1.0, bs, k / 4.0, bs * k / 4.0,
+            *(1.0 - math.exp(-n / n0) for n0 in _SATURATION_TOKENS), z, z * bs]
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +148,7 @@ def _fit(cells: Sequence[Cell], zero_arm_sd: float) -> tuple[np.ndarray, np.ndar
     # spread zero_arm_sd) until k = 0 runs.
     t_typ = math.exp(float(np.mean(np.log(y))))
     prior = np.full(p, _RIDGE * max(float(np.trace(gram)), 1e-12) / 0.04**2)
-    prior[4:] += 1.0 / (zero_arm_sd * t_typ) ** 2
+    prior[_N_SHARED:] += 1.0 / (zero_arm_sd * t_typ) ** 2
     dof = max(len(cells) - p, 0)
     unit2 = 0.04**2  # misfit per unit weight: a few % until the residuals say
     for _ in range(2):
@@ -151,24 +160,45 @@ def _fit(cells: Sequence[Cell], zero_arm_sd: float) -> tuple[np.ndarray, np.ndar
 
 
 def _nnls(reg: np.ndarray, rhs: np.ndarray) -> np.ndarray:
-    """argmin θ·reg·θ − 2·θ·rhs with the four shared costs θ[0:4] >= 0, exactly: the optimum is
-    the best feasible solution over the 16 faces (cheaper than an iterative solver)."""
+    """argmin θ·reg·θ − 2·θ·rhs with the shared costs θ[:_N_SHARED] >= 0 (Lawson and Hanson's
+    active set, for a quadratic with some variables free; reg is positive definite)."""
     p = len(rhs)
     theta = np.linalg.solve(reg, rhs)
-    if (theta[:4] >= 0).all():
+    if (theta[:_N_SHARED] >= 0).all():
         return theta
-    best, best_loss = np.zeros(p), math.inf
-    for mask in range(15):
-        free = [i for i in range(4) if mask >> i & 1] + list(range(4, p))
-        sub = np.linalg.solve(reg[free][:, free], rhs[free])
-        if any(sub[i] < 0 for i in range(len(free) - (p - 4))):
-            continue
-        theta = np.zeros(p)
-        theta[free] = sub
-        loss = float(theta @ reg @ theta - 2 * theta @ rhs)
-        if loss < best_loss:
-            best, best_loss = theta, loss
-    return best
+    active = np.zeros(p, dtype=bool)  # free to move: k = 0's own two always
+    active[_N_SHARED:] = True
+    theta = np.zeros(p)
+
+    def solve_on(mask: np.ndarray) -> np.ndarray:
+        out = np.zeros(p)
+        out[mask] = np.linalg.solve(reg[np.ix_(mask, mask)], rhs[mask])
+        return out
+
+    theta = solve_on(active)
+    for _ in range(4 * p):
+        grad = rhs - reg @ theta  # descent direction of the objective
+        grad[active] = 0.0
+        j = int(np.argmax(grad[:_N_SHARED]))
+        if grad[j] <= 1e-12 * max(float(np.abs(rhs).max()), 1e-300):
+            break
+        active[j] = True
+        while True:
+            trial = solve_on(active)
+            bad = active[:_N_SHARED] & (trial[:_N_SHARED] <= 0)
+            if not bad.any():
+                theta = trial
+                break
+            # Step towards the trial as far as feasibility allows; drop who hits zero.
+            idx = np.flatnonzero(bad)
+            step = min(theta[i] / (theta[i] - trial[i]) for i in idx)
+            theta = theta + step * (trial - theta)
+            drop = active.copy()
+            drop[_N_SHARED:] = False
+            drop &= theta <= 1e-15
+            active &= ~drop
+            theta[drop] = 0.0
+    return theta
 
 
 def step_time_posterior(
