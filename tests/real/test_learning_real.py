@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import time
 from bisect import bisect_left
@@ -34,7 +35,9 @@ EDGES = (1, 2, 4, 8)
 # drifts more slowly than a round slows every arm of it alike.
 SLICE_S = 1.0
 MIN_ROUNDS = 6
-LEVEL_MAX_S = 60.0  # rounds stop here at the latest, or once every verdict is settled
+# Rounds stop once every verdict is settled, or after this long per level at the latest; a
+# longer run narrows the errors (as one over the square root of its length).
+LEVEL_MAX_S = float(os.environ.get("DYNSPEC_REAL_LEVEL_S", "60"))
 PHASE_S = 20.0  # one concurrency level's turn while the daemon runs
 # Turns per acceptance level (the levels alternate). After the change the policy must first
 # forget: its acceptance memory is a minute of busy time (policies/_model.py).
