@@ -6,7 +6,7 @@ from __future__ import annotations
 from _drive import counters, pin
 from _server import ARMS, generate, readout
 
-from tuner.protocol import DynspecState, counter_deltas
+from tuner.protocol import PROTOCOL_VERSION, DynspecState, counter_deltas
 
 
 def settle(url: str) -> None:
@@ -17,7 +17,7 @@ def test_readout_is_live_with_the_configured_arms(plugin_server):
     state = DynspecState.from_json(readout(plugin_server.url))
     assert state.hooks_live, "the plugin's hooks are not live in the scheduler"
     assert tuple(state.arms) == ARMS
-    assert state.protocol == 1
+    assert state.protocol == PROTOCOL_VERSION
     assert "Failed to apply hooks" not in plugin_server.log_text()
 
 
