@@ -69,6 +69,37 @@ def _observational(storage, server, engine):  # noqa: ANN001
             "truth": num / den - 1, "measured_share": rg.gain.measured_share}
 
 
+def _diagnose(storage, server, engine) -> dict:  # noqa: ANN001
+    """Where the switchback's error comes from: per role, the busy-weighted ratio of realized
+    to expected (oracle) goodput over the strata the pair shares, and the batch-size mix."""
+    from policies import Buckets
+    from tuner.daemon._holdout import stratum
+    from tuner.report_switchback import read_pairs
+    from tuner.sim import oracle
+
+    buckets = Buckets()
+    acc = {r: [0.0, 0.0, 0.0] for r in ("base", "control")}  # tokens, busy, busy x expected
+    for p in read_pairs(storage, server):
+        shared = {k for k in p.base if k in p.control and p.base[k][1] > 0
+                  and p.control[k][1] > 0}
+        for role, span in (("base", p.base_span), ("control", p.control_span)):
+            for a in storage.aggregate(server=server, since=span[0] + 1e-6,
+                                       until=span[1] + 1e-6):
+                if a.busy_s <= 0 or stratum(buckets, a.b) not in shared:
+                    continue
+                g = oracle.expected_goodput(engine.profile, engine.workload, a.b, a.k,
+                                            graph_bs=tuple(engine.graph_bs),
+                                            skip_zero_draft_extend=engine.skip_zero_draft_extend)
+                acc[role][0] += a.emitted_tokens
+                acc[role][1] += a.busy_s
+                acc[role][2] += a.busy_s * g
+    kinds = [e.kind for e in storage.events(server=server)]
+    out = {f"{r}_realized_over_expected": (v[0] / v[2] if v[2] > 0 else None)
+           for r, v in acc.items()}
+    out.update(skipped=kinds.count("holdout_skip"), void=kinds.count("holdout_void"))
+    return out
+
+
 def one_run(seed: int, args: argparse.Namespace) -> dict:
     from storage import Storage
     from tuner.config import SimulateConfig, TunerConfig
@@ -98,6 +129,8 @@ def one_run(seed: int, args: argparse.Namespace) -> dict:
                            max_running=sim.max_running, seed=seed, speed=1.0, port=0).engine
         with Storage(db, read_only=True) as st:
             obs = _observational(st, s.server, engine)
+            if out["switchback"] is not None:
+                out["switchback"].update(_diagnose(st, s.server, engine))
         if obs is not None:
             obs["covered"] = bool(obs["low"] <= obs["truth"] <= obs["high"])
             out["observational"] = obs
@@ -152,6 +185,19 @@ def main(argv: list[str] | None = None) -> int:
               f"{100 * sum(s['cost_bound'] for s in sbs) / len(sbs):.3f}%; mean baseline share of busy time "
               f"{100 * sum(s['base_share'] for s in sbs) / len(sbs):.2f}%; median pairs "
               f"{sorted(s['pairs'] for s in sbs)[len(sbs) // 2]}")
+        over = [s["cost"] / s["cost_bound"] for s in sbs if s["cost_bound"] > 0]
+        err = [s["ratio"] - s["truth"] for s in sbs]
+        print(f"switchback: largest cost / own bound {max(over, default=math.nan):.3f}; "
+              f"pairs skipped by the budget {sum(s.get('skipped', 0) for s in sbs)}, void "
+              f"{sum(s.get('void', 0) for s in sbs)}; error (gain - truth) mean "
+              f"{100 * sum(err) / len(err):+.3f} points, below the truth in "
+              f"{sum(e < 0 for e in err)}/{len(err)}")
+        for role in ("base", "control"):
+            v = [s[f"{role}_realized_over_expected"] for s in sbs
+                 if s.get(f"{role}_realized_over_expected")]
+            if v:
+                print(f"  {role} windows: realized / oracle-expected goodput, mean over runs "
+                      f"{sum(v) / len(v):.4f}")
     if obs:
         cov = sum(o["covered"] for o in obs)
         print(f"observational: truth inside the 95% interval in {cov}/{len(obs)} runs "
