@@ -97,3 +97,35 @@ def test_a_banded_table_reaches_a_v2_plugin_and_reads_back():
         state = client.read_state()[0]
     assert sim.posts[-1]["dynspec_protocol"] == 2 and sim.posts[-1]["dynspec_r0_k4"] == 5
     assert state.band_table == banded and state.table == ((8, 3), (None, 1))
+
+
+def test_a_server_upgraded_in_place_is_re_pushed_in_its_new_protocol(tmp_path):
+    """v1 plugin, then the server restarts on the v2 plugin: the daemon notices the restart,
+    re-pushes its table, and writes it in v2 from then on."""
+    clock = FakeClock()
+    with Sim(1) as sim:
+        config = TunerConfig(servers=(sim.addr,), interval_s=1.0, decision_period_s=2.0,
+                             policy="never", db_url=f"sqlite:///{tmp_path / 'h.db'}")
+        d = Daemon(config, storage=Storage(config.db_url), clock=clock)
+        d.run_once()
+
+        def ticks(n: int) -> None:
+            for _ in range(n):
+                sim.step()
+                clock.advance(1.0)
+                d.run_once()
+
+        ticks(6)
+        assert sim.posts and {p["dynspec_protocol"] for p in sim.posts} == {1}
+        n_before = len(sim.posts)
+        with sim.server.lock:  # the upgrade: a new process, a v2 plugin on the default table
+            old = sim.server.engine.core
+            sim.server.engine.core = PluginCore(old.arms, started_at=old.started_at + 60.0,
+                                                default_arm=3)
+        ticks(6)
+        d.shutdown()
+        with sim.server.lock:
+            core = sim.server.core
+            assert (core.protocol, core.table, core.updates_rejected) == (2, NEVER, 0)
+    assert [p["dynspec_protocol"] for p in sim.posts[n_before:]][:1] == [2]
+    assert d.status().servers[0].restarts == 1
