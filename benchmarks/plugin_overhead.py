@@ -33,7 +33,7 @@ from types import SimpleNamespace
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from tuner.plugin import _sglang, _tree  # noqa: E402
-from tuner.protocol import N_BANDS, TreeShape, class_of, encode_update  # noqa: E402
+from tuner.protocol import N_BANDS, TreeShape, encode_update  # noqa: E402
 
 STEP_S = 5e-3
 TARGET_US = 3.0
@@ -231,7 +231,7 @@ def main() -> int:
         tree_tele_ns = min(tree_tele_ns, best_ns(telemetry_of(tree_env, tree_pairs), args.n, 1))
     per_step_us = (lookup_ns + tele_ns) / 1000
     tree_step_us = (tree_lookup_ns + tree_tele_ns) / 1000
-    tree_counts = {key % 64 for key in tree_env.policy.dynspec.telemetry._rows}
+    tree_counts = {key % 64 for key in tree_env.policy.dynspec.telemetry._cells}
     assert tree_counts == set(TREE_ARMS), f"tree steps counted on arms {tree_counts}"
 
     print(f"SGLang objects: {'real (contract environment)' if real else 'stand-ins (no sglang)'}")
@@ -274,17 +274,13 @@ def main() -> int:
     timed_kb, _ = size_kb(core)
     timed_steps = clock[1]
     tel = core.telemetry
-    steps = 86_400 * 50 // (len(BATCH_SIZES) * len(ARMS))  # 50 steps/s spread evenly
-    tel._bands.clear()
-    for key, row in tel._rows.items():
-        b, k = divmod(key, 64)
-        row[:] = [steps, steps * b * (k // 2), steps * (0.004 + 0.00003 * b + 0.0011 * k) + 1 / 3]
-        for band in range(N_BANDS):  # the steps spread evenly over the bands
-            share = steps // N_BANDS
-            brow = tel._bands.setdefault((class_of(b) * N_BANDS + band) * 64 + k, [0, 0, 0])
-            brow[0] += share
-            brow[1] += share * b
-            brow[2] += share * b * (k // 2)
+    steps = 86_400 * 50 // (len(BATCH_SIZES) * len(ARMS) * N_BANDS)  # 50 steps/s, spread evenly
+    for b in BATCH_SIZES:
+        for k in ARMS:
+            for band in range(N_BANDS):
+                tel._cells[(b * N_BANDS + band) * 64 + k] = [
+                    steps, steps * b * (k // 2),
+                    steps * (0.004 + 0.00003 * b + 0.0011 * k) + 1 / 3]
     day_kb, _ = size_kb(core)
     print(f"readout, {young_rows} (b, k) rows x {N_BANDS} bands, each seen 3 times: "
           f"{young_kb:5.1f} KB")

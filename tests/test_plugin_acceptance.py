@@ -168,3 +168,16 @@ def test_every_tp_rank_holds_the_same_band_and_only_rank0_counts():
     before = (rank0.acceptance.trials, rank0.telemetry.untimed_steps)
     steps[0](_batch(1, 400, rid="HEALTH_CHECK"), _result(3, [3]))
     assert (rank0.acceptance.trials, rank0.telemetry.untimed_steps) == before
+
+
+@pytest.mark.parametrize("per_req", [[0, 0, 0], [3, 3, 3], [3, 0, 2], [1] * 20 + [3] * 12])
+def test_the_hook_folds_in_what_the_per_request_estimate_would(per_req):
+    core = PluginCore(ARMS, started_at=0.0)
+    reference = AcceptanceEstimate()
+    step = decode_step_fn(core, record=False)
+    for it in range(1, 4):
+        step(_batch(len(per_req), it), _result(3, per_req))
+        reference.observe(3, per_req)
+    est = core.acceptance
+    assert (est.successes, est.trials, est.band) == (
+        reference.successes, reference.trials, reference.band)

@@ -418,6 +418,8 @@ def decode_step_fn(core: PluginCore, *, record: bool) -> Callable[[Any, Any], No
         # keeps the hook's cost flat in the batch size).
         if per_req is None:
             band = estimate.band
+        elif not accepted or accepted == b * k:  # none or all accepted every draft: no count
+            band = observe(k, b, accepted, b if accepted else 0)
         elif b <= sample:
             band = observe(k, b, accepted, per_req.count(k))
         else:

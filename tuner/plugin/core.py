@@ -46,19 +46,17 @@ class Telemetry:
     high-batch steps unmeasured. A step is committed to its rows one step late, when that gap
     is known; a step whose successor is not contiguous has no measurable duration and is
     counted in ``untimed_steps`` instead, so every row's ``emitted / busy_s`` is unbiased.
-    The band rows count the same timed steps, so summed over bands they add up to the
-    ``(b, k)`` rows of the class.
+    One cell per ``(b, band, k)`` holds every timed step; the readout sums it into the
+    ``(b, k)`` rows and the ``(class, band, k)`` rows, so both count the same steps and add up.
 
-    Hot path: integer keys (``b * 64 + k``) into dicts of small lists, no objects per step.
+    Hot path: one integer key into a dict of small lists, no objects per step.
     """
 
-    __slots__ = ("_rows", "_bands", "_pending", "untimed_steps")
+    __slots__ = ("_cells", "_pending", "untimed_steps")
 
     def __init__(self) -> None:
-        # b * 64 + k -> [decode_steps, accepted, busy_s]
-        self._rows: dict[int, list[float]] = {}
-        # (class * N_BANDS + band) * 64 + k -> [decode_steps, requests, accepted]
-        self._bands: dict[int, list[int]] = {}
+        # (b * N_BANDS + band) * 64 + k -> [decode_steps, accepted, busy_s]
+        self._cells: dict[int, list[float]] = {}
         self._pending: tuple[int, int, int, float, int, int] | None = None
         self.untimed_steps = 0
 
@@ -98,21 +96,14 @@ class Telemetry:
         if after_idle_gap or forward_iter != pit + 1 or not 0.0 <= gap <= MAX_STEP_GAP_S:
             self.untimed_steps += 1
             return
-        row = self._rows.get(pb * 64 + pk)
-        if row is None:
-            self._rows[pb * 64 + pk] = [1, pa, gap]
+        key = (pb * N_BANDS + pband) * 64 + pk
+        cell = self._cells.get(key)
+        if cell is None:
+            self._cells[key] = [1, pa, gap]
         else:
-            row[0] += 1
-            row[1] += pa
-            row[2] += gap
-        key = ((_CLASS[pb] if pb < _N_CLASS else class_of(pb)) * N_BANDS + pband) * 64 + pk
-        brow = self._bands.get(key)
-        if brow is None:
-            self._bands[key] = [1, pb, pa]
-        else:
-            brow[0] += 1
-            brow[1] += pb
-            brow[2] += pa
+            cell[0] += 1
+            cell[1] += pa
+            cell[2] += gap
 
     def close(self, launch_ts: float, forward_iter: int, after_idle_gap: bool = False) -> None:
         """A forward launched at ``launch_ts``: commit the pending decode step, timed if contiguous.
@@ -137,42 +128,40 @@ class Telemetry:
         if after_idle_gap or forward_iter != pit + 1 or not 0.0 <= gap <= MAX_STEP_GAP_S:
             self.untimed_steps += 1
             return
-        row = self._rows.get(pb * 64 + pk)
-        if row is None:
-            self._rows[pb * 64 + pk] = [1, pa, gap]
+        key = (pb * N_BANDS + pband) * 64 + pk
+        cell = self._cells.get(key)
+        if cell is None:
+            self._cells[key] = [1, pa, gap]
         else:
-            row[0] += 1
-            row[1] += pa
-            row[2] += gap
-        key = ((_CLASS[pb] if pb < _N_CLASS else class_of(pb)) * N_BANDS + pband) * 64 + pk
-        brow = self._bands.get(key)
-        if brow is None:
-            self._bands[key] = [1, pb, pa]
-        else:
-            brow[0] += 1
-            brow[1] += pb
-            brow[2] += pa
+            cell[0] += 1
+            cell[1] += pa
+            cell[2] += gap
 
     def rows(self) -> tuple[CounterRow, ...]:
-        out = []
-        for key, (n, a, busy) in sorted(self._rows.items()):
-            b, k = divmod(key, 64)
-            n, a = int(n), int(a)
-            out.append(CounterRow(b, k, n, a + b * n, a, k * b * n, float(busy)))
-        return tuple(out)
+        """Per ``(b, k)``: the cells summed over bands."""
+        sums: dict[tuple[int, int], list[float]] = {}
+        for key, (n, a, busy) in self._cells.items():
+            bb, k = divmod(key, 64)
+            t = sums.setdefault((bb // N_BANDS, k), [0, 0, 0.0])
+            t[0] += n
+            t[1] += a
+            t[2] += busy
+        return tuple(
+            CounterRow(b, k, int(n), int(a) + b * int(n), int(a), k * b * int(n), float(busy))
+            for (b, k), (n, a, busy) in sorted(sums.items())
+        )
 
     def band_rows(self) -> tuple[BandCounter, ...]:
-        out = []
-        for key, (n, r, a) in sorted(self._bands.items()):
-            cb, k = divmod(key, 64)
-            cls, band = divmod(cb, N_BANDS)
-            out.append(BandCounter(cls, band, k, n, r, a))
-        return tuple(out)
-
-
-# Batch size -> class, for the batch sizes a server commonly runs (bisect above).
-_N_CLASS = 1025
-_CLASS = [class_of(b) for b in range(_N_CLASS)]
+        """Per ``(batch-size class, band, k)``: the cells summed over the class's sizes."""
+        sums: dict[tuple[int, int, int], list[int]] = {}
+        for key, (n, a, _) in self._cells.items():
+            bb, k = divmod(key, 64)
+            b, band = divmod(bb, N_BANDS)
+            t = sums.setdefault((class_of(b), band, k), [0, 0, 0])
+            t[0] += int(n)
+            t[1] += b * int(n)
+            t[2] += int(a)
+        return tuple(BandCounter(*key, *v) for key, v in sorted(sums.items()))
 
 
 class PluginCore:
