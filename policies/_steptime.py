@@ -2,21 +2,25 @@
 
 ``log T(b, k) = log T_θ(b, k) + u(b, k)``
 
-- ``T_θ`` is the anchors' cost model, bilinear in ``b`` and ``k``:
-  ``θ·[1, b, k, b·k, [k=0], [k=0]·b]`` (fixed, per-request and per-draft-token costs shared
-  by every arm; k = 0, which verifies nothing, its own offsets), fitted in relative terms to
-  every measured cell. Dense tables follow it within a few %.
+- ``T_θ`` is the anchors' cost model, bilinear in ``b`` and ``k``, plus weight reads that
+  saturate in the tokens a forward carries, ``n = b·(k+1)``:
+  ``θ·[1, b, k, b·k, s_4(n), s_16(n), s_64(n), s_256(n), [k=0], [k=0]·b]`` with
+  ``s_m(n) = 1 − exp(−n/m)`` (fixed, per-request and per-draft-token costs shared by every
+  arm; on mixture-of-experts models the experts a step wakes, shared by every arm through
+  ``n``, so a 16-token verify at 16 requests says what k = 0 costs at 256; k = 0, which
+  verifies nothing, its own offsets), every shared cost non-negative, fitted in relative
+  terms to every measured cell. A saturating curve that only some of the cells need weighs
+  nothing where they do not: dense tables fit the bilinear part within a few %.
 - ``u`` is where a cost surface departs from it: a Gaussian field, smooth in ``log b`` and
-  in ``k`` (nearby buckets and arms bend alike), of scale ``τ``. On mixture-of-experts models
-  the experts a step reads saturate as ``b·(k+1)`` grows, so deep drafts get relatively
-  *cheaper* up to mid batch sizes, which no bilinear form can say; there ``u`` is large.
+  in ``k`` (nearby buckets and arms bend alike), of scale ``τ`` (graph padding, kernels that
+  change with the batch, communication: whatever no smooth form of ``b`` and ``k`` says).
 
 ``τ`` is not assumed: the residuals of the measured cells beyond their own noise decide it,
 and the field's correlation lengths with it (empirical Bayes: the marginal likelihood over a
-small grid, the grid's posterior averaged rather than one point picked). Where the model fits, ``τ`` stays small and a cell
-never run is predicted tightly from the model (little exploration); where it does not,
-``τ`` grows, cells never run widen towards "anything the neighbours allow", and the measured
-neighbours rather than the model carry the prediction.
+small grid, the grid's posterior averaged rather than one point picked). Where the model
+fits, ``τ`` stays small and a cell never run is predicted tightly from the model (little
+exploration); where it does not, ``τ`` grows, cells never run widen towards "anything the
+neighbours allow", and the measured neighbours rather than the model carry the prediction.
 
 The model's own parameter uncertainty (linearised around the fit) and the field form one
 prior covariance over all cells; the measured cells, each with the noise of its own mean,
@@ -160,8 +164,8 @@ def _fit(cells: Sequence[Cell], zero_arm_sd: float) -> tuple[np.ndarray, np.ndar
 
 
 def _nnls(reg: np.ndarray, rhs: np.ndarray) -> np.ndarray:
-    """argmin θ·reg·θ − 2·θ·rhs with the shared costs θ[:_N_SHARED] >= 0 (Lawson and Hanson's
-    active set, for a quadratic with some variables free; reg is positive definite)."""
+    """argmin θ·reg·θ − 2·θ·rhs with the shared costs θ[:_N_SHARED] >= 0 (Lawson and
+    Hanson's active set, for a quadratic with some variables free; reg positive definite)."""
     p = len(rhs)
     theta = np.linalg.solve(reg, rhs)
     if (theta[:_N_SHARED] >= 0).all():
