@@ -1,0 +1,67 @@
+"""What the default (model) policy believed at the end of a daemon run: its history replayed.
+
+    .venv/bin/python benchmarks/real_learning_replay.py HISTORY.db [--arms 0,1,3]
+        [--buckets 1,2,4,8] [--upto S] [--draws 2000]
+
+Feeds the run's observations, in order, to a fresh ``ModelPolicy`` (seed 0) and prints, per
+bucket with traffic, each arm's predicted goodput, the step-time posterior (log seconds, mean
+and sd), the emitted tokens per request-step it assumes, and how often a posterior draw picks
+each arm (what exploration proposes). Written to explain why the real-server learning test's
+daemon kept k3 after acceptance fell to 0.25 (tests/real/test_learning_real.py). It reads the
+policy's internals (``_components``, ``_sample``): a diagnostic, not an interface.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sqlite3
+import sys
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from policies._base import Buckets, Observation  # noqa: E402
+from policies._model import ModelPolicy  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("db")
+    ap.add_argument("--arms", default="0,1,3")
+    ap.add_argument("--buckets", default="1,2,4,8")
+    ap.add_argument("--upto", type=float, default=None, help="seconds of history to replay")
+    ap.add_argument("--draws", type=int, default=2000)
+    a = ap.parse_args()
+    arms = tuple(int(x) for x in a.arms.split(","))
+    policy = ModelPolicy(arms=arms, buckets=Buckets(tuple(int(x) for x in a.buckets.split(","))),
+                         seed=0)  # fmt: skip
+    with sqlite3.connect(a.db) as c:
+        rows = c.execute("SELECT ts, b, k, decode_steps, emitted_tokens, accepted_drafts, "
+                         "drafted_tokens, busy_s FROM observations ORDER BY ts, id").fetchall()
+    t0 = rows[0][0]
+    for ts, *obs in rows:
+        if a.upto is not None and ts - t0 > a.upto:
+            break
+        policy.update(Observation(*obs))
+    alpha, alpha_sd = policy._alpha
+    print(f"{a.db}: per-position acceptance {alpha:.3f} ± {alpha_sd:.3f}; greedy "
+          f"{policy.greedy()}")
+    t, em, _ = policy._components()
+    estimates = {(e.bucket, e.arm): e for e in policy._estimates()}
+    greedy = policy.greedy_arms()
+    for j in range(len(policy.buckets.edges) + 1):
+        if not policy._state[j].steps:
+            continue
+        draws = Counter(policy._sample(j, greedy[j]) for _ in range(a.draws))
+        print(f"bucket {policy.buckets.label(j)}: greedy k{greedy[j]}")
+        for ai, k in enumerate(arms):
+            e = estimates[(j, k)]
+            print(f"  k{k}: {e.estimate:7.1f} ± {e.std:5.1f} tok/s (n {e.n:5d}); step "
+                  f"{1000 * 2.718281828 ** float(t.mean[j, ai]):5.1f} ms (log sd "
+                  f"{float(t.sd[j, ai]):.3f}); emitted/request-step {float(em[k]):.3f}; "
+                  f"drawn {draws[k] / a.draws:6.1%}")
+
+
+if __name__ == "__main__":
+    main()
