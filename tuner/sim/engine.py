@@ -369,14 +369,17 @@ class Engine:
         self.step_oracle.step(rows, n, pb, k, dt)
         full: float = 0
         if k > 0:
-            acc = rows.draft_step(n, k)
-            accepted = int(acc.sum())
+            # Per-request accepted drafts as plain ints (cheaper than numpy calls at the
+            # usual batch sizes), as the plugin's hook gets SGLang's list.
+            acc = rows.draft_step(n, k).tolist()
+            accepted = sum(acc)
             # Requests that accepted every draft, counted as the plugin's decode hook counts
             # them (tuner.plugin._sglang.decode_step_fn): exactly up to FULL_SAMPLE requests,
             # scaled from the first FULL_SAMPLE above.
-            full = int(np.count_nonzero(acc[:FULL_SAMPLE] == k))
-            if n > FULL_SAMPLE:
-                full = full * n / FULL_SAMPLE
+            if n <= FULL_SAMPLE:
+                full = acc.count(k)
+            else:
+                full = acc[:FULL_SAMPLE].count(k) * n / FULL_SAMPLE
         else:
             accepted = 0
             rows.plain_step(n, self.skip_zero_draft_extend)
