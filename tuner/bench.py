@@ -481,9 +481,8 @@ def run_one(
             steps, busy, emitted = row.decode_steps, row.busy_s, row.emitted_tokens
             obs.append(Observation(row.b, row.k, steps, emitted, row.accepted_drafts,
                                    row.drafted_tokens, busy))
-            g_run, g_best = good(row.b, row.k, mix, mid), best(row.b, mix, mid)
-            if banded:
-                g_run = step_score.banded(row.b, g_best, g_run)
+            g_arm, g_best = good(row.b, row.k, mix, mid), best(row.b, mix, mid)
+            g_run = step_score.banded(row.b, g_best, g_arm) if banded else g_arm
             acc.busy += busy
             acc.got += busy * g_run
             acc.best += busy * g_best
@@ -498,7 +497,7 @@ def run_one(
                 acc.step_w += busy * g_step
             k_greedy = greedy_arms(greedy_table, engine.padded(row.b))
             if row.k not in k_greedy:
-                acc.explore_lost += busy * (good(row.b, k_greedy[0], mix, mid) - g_run)
+                acc.explore_lost += busy * (good(row.b, k_greedy[0], mix, mid) - g_arm)
             per_bucket.setdefault(buckets.index(row.b), []).append((row.b, busy))
             track = tracks[buckets.index(row.b)]
             track.steps += steps
