@@ -14,7 +14,6 @@ from collections.abc import Iterable, Sequence
 
 from tuner.protocol._base import (
     MAX_ROWS,
-    UNBOUNDED,
     ProtocolError,
     Table,
     _as_int,
@@ -169,7 +168,6 @@ __all__ = [
     "CLASS_EDGES",
     "N_BANDS",
     "N_CLASSES",
-    "UNBOUNDED",
     "UNKNOWN_BAND",
     "BandIndex",
     "BandRow",

@@ -15,7 +15,6 @@ from tuner.protocol._bands import (
     N_BANDS,
     BandTable,
     band_row_keys,
-    banded,
     is_uniform,
     validate_band_table,
 )
@@ -140,4 +139,4 @@ def decode_update(
     return table, version
 
 
-__all__ = ["as_band_table", "banded", "decode_update", "encode_update", "has_dynspec_keys"]
+__all__ = ["as_band_table", "decode_update", "encode_update", "has_dynspec_keys"]
