@@ -1,6 +1,6 @@
 """What the default (model) policy believed at the end of a daemon run: its history replayed.
 
-    .venv/bin/python benchmarks/real_learning_replay.py HISTORY.db [--arms 0,1,3]
+    .venv/bin/python benchmarks/real_learning_replay.py HISTORY.db|HISTORY.jsonl [--arms 0,1,3]
         [--buckets 1,2,4,8] [--upto S] [--draws 2000]
 
 Feeds the run's observations, in order, to a fresh ``ModelPolicy`` (seed 0) and prints, per
@@ -14,6 +14,7 @@ policy's internals (``_components``, ``_sample``): a diagnostic, not an interfac
 from __future__ import annotations
 
 import argparse
+import json
 import sqlite3
 import sys
 from collections import Counter
@@ -23,6 +24,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from policies._base import Buckets, Observation  # noqa: E402
 from policies._model import ModelPolicy  # noqa: E402
+
+
+FIELDS = ("ts", "b", "k", "decode_steps", "emitted_tokens", "accepted_drafts", "drafted_tokens",
+          "busy_s")
+
+
+def read_history(path: str) -> list[tuple]:
+    """The observations of a daemon's SQLite history, or of a JSON-lines dump of them (one
+    object per row with FIELDS, as benchmarks/results keeps them)."""
+    if path.endswith(".jsonl"):
+        with open(path) as f:
+            return [tuple(json.loads(line)[name] for name in FIELDS) for line in f]
+    with sqlite3.connect(path) as c:
+        query = f"SELECT {', '.join(FIELDS)} FROM observations ORDER BY ts, id"
+        return c.execute(query).fetchall()
 
 
 def main() -> None:
@@ -36,9 +52,7 @@ def main() -> None:
     arms = tuple(int(x) for x in a.arms.split(","))
     policy = ModelPolicy(arms=arms, buckets=Buckets(tuple(int(x) for x in a.buckets.split(","))),
                          seed=0)  # fmt: skip
-    with sqlite3.connect(a.db) as c:
-        rows = c.execute("SELECT ts, b, k, decode_steps, emitted_tokens, accepted_drafts, "
-                         "drafted_tokens, busy_s FROM observations ORDER BY ts, id").fetchall()
+    rows = read_history(a.db)
     t0 = rows[0][0]
     for ts, *obs in rows:
         if a.upto is not None and ts - t0 > a.upto:
