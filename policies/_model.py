@@ -8,10 +8,14 @@
   a chain model (``P(A ≥ i) = α^i δ^(i(i−1)/2)``, α fitted to those means) fills in arms
   never run, and shrinks the noisy ones.
 - **Step time** ``T(b, k)`` per (bucket, arm) is the anchors' cost model (bilinear in ``b``
-  and ``k``) plus each cell's deviation from it, a smooth field whose scale the measured
-  cells' residuals decide (:mod:`policies._steptime`). Where the model fits (dense tables)
-  a cell never run is predicted tightly; where it does not (mixture-of-experts tables bend
-  where no bilinear form can), the cells widen and measured neighbours carry them.
+  and ``k``, plus weight reads that saturate in the tokens a forward carries, as a
+  mixture-of-experts step's do) and each cell's deviation from it, a smooth field whose
+  scale the measured cells' residuals decide (:mod:`policies._steptime`). Where the model
+  fits a cell never run is predicted tightly; where it does not, the cells widen and
+  measured neighbours carry them.
+- **Acceptance bands** (protocol v2 servers, :mod:`policies._banded`): acceptance is also
+  learnt per band of the batch's live acceptance, and the greedy arm of each bucket is
+  refined per band from the same step times (``propose_bands``).
 - Exploration is posterior (Thompson) sampling over acceptance and step time jointly. No
   arm is excluded by the model alone: an arm is tried about as often as the posterior gives
   it a chance of winning, which is small only where the data (not the model's shape) say
@@ -21,12 +25,13 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from policies._acceptance import expected_accepted
+from policies._banded import BandBook, BandObservation, BandTable, band_table
 from policies._base import ArmEstimate, Observation
 from policies._learning import LearnerParams, LearningPolicy, _require
 from policies._stats import ArmStats
@@ -157,11 +162,47 @@ class ModelPolicy(LearningPolicy):
         # a 2-deep chain, a 16-token tree looked no dearer than k = 0 at 256 requests, and
         # k = 0 was never tried there.
         self._cost_k = {k: k for k in self.arms}
+        self._bands: BandBook | None = None  # acceptance per band, once set_bands is called
 
     def set_verify_tokens(self, tokens: Mapping[int, int]) -> None:
         super().set_verify_tokens(tokens)
         self._cost_k.update({k: n - 1 for k, n in tokens.items()})
         self._comp = self._pred = None
+
+    # --- acceptance bands (protocol v2; policies._banded) ---------------------------------
+
+    def set_bands(self, edges: Sequence[float]) -> None:
+        """Learn acceptance per band cut at ``edges`` (the server's band edges) and propose
+        banded tables (:meth:`propose_bands`)."""
+        self._bands = BandBook(edges, self.arms, self.params.chain_delta)
+
+    def update_bands(self, obs: BandObservation) -> bool:
+        """Feed one band's drafting; False if unusable or bands are not set."""
+        if self._bands is None:
+            return False
+        return self._bands.update(obs, self._acc_gamma_rs ** max(obs.request_steps, 0))
+
+    def propose_bands(self) -> BandTable | None:
+        """:meth:`propose`, with an arm per band wherever a row runs its greedy arm (None,
+        having proposed nothing, if bands are not set)."""
+        if self._bands is None:
+            return None
+        return self._banded(self.buckets.arms_of(self.propose()), self.greedy_arms())
+
+    def greedy_bands(self) -> BandTable | None:
+        """The greedy table with an arm per band (None if bands are not set)."""
+        if self._bands is None:
+            return None
+        greedy = self.greedy_arms()
+        return self._banded(greedy, greedy)
+
+    def _banded(self, arms: Sequence[int], greedy: Sequence[int]) -> BandTable:
+        assert self._bands is not None
+        t, margin, n = self._components()[0], self.params.switch_margin, self._bands.bands
+        rows = [(arm, *(self._bands.arms_for(arm, [float(x) for x in t.mean[j]], margin)
+                        if arm == greedy[j] else (arm,) * n))
+                for j, arm in enumerate(arms)]
+        return band_table([self.buckets.bounds(j)[1] for j in range(len(arms))], rows)
 
     # --- learning -------------------------------------------------------------------------
 

@@ -22,12 +22,14 @@ def _figures(r):
 
 
 def test_tiny_scenario_scores_within_the_oracle_and_repeats_exactly():
+    # The default policy's banded tables may beat the per-bucket oracle, never the per-step.
     a = run_one(policy="model", **TINY)
     assert [ph.concurrency for ph in a.phases] == [1, 8]
     for ph in a.phases:
-        assert 0.0 <= ph.pct_oracle <= 100.0
-        assert 0.0 <= ph.pct_oracle_all <= 100.0
-        assert ph.decode_busy_s > 0 and ph.goodput <= ph.oracle_goodput * (1 + 1e-9)
+        assert 0.0 <= ph.pct_step_oracle <= 100.0 + 1e-9
+        assert 0.0 <= ph.pct_step_oracle_all <= 100.0 + 1e-9
+        assert ph.pct_oracle > 0.0 and ph.pct_oracle_all > 0.0
+        assert ph.decode_busy_s > 0 and ph.goodput <= ph.step_oracle_goodput * (1 + 1e-9)
     b = run_one(policy="model", **TINY)
     assert _figures(a) == _figures(b)
     assert a.final_table == b.final_table

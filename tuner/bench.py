@@ -64,7 +64,7 @@ from tuner.bench_config import (
 )
 from tuner.bench_targets import TARGETS, TargetCheck, check_targets, summarize_policies
 from tuner.plugin.core import PluginCore
-from tuner.bench_step import StepScore, greedy_arms, single_arm_view
+from tuner.bench_step import BandFeed, StepScore, greedy_arms, single_arm_view
 from tuner.protocol import (
     CounterRow,
     Table,
@@ -453,9 +453,10 @@ def run_one(
         return core.decision_table() if isinstance(core, _SGLangCore) else core.table
 
     greedy_table: Table = observed_table()
+    feed = BandFeed(pol, tree is not None)
     if pol is not None:
-        push(pol.propose())
-        greedy_table = pol.greedy()
+        push(feed.propose())
+        greedy_table = feed.greedy()
     prev: tuple[CounterRow, ...] = ()
     t = 0.0
     next_decision = decision_period_s
@@ -473,7 +474,9 @@ def run_one(
         # A banded table's arm depends on the batch: scored on its steps (tuner.bench_step).
         banded = not is_uniform(core.band_table)
         acc.banded |= banded
-        rows = core.state().counters
+        state = core.state()
+        rows = state.counters
+        feed.read(state.bands)
         obs: list[Observation] = []
         per_bucket: dict[int, list[tuple[int, float]]] = {}
         # The engine never restarts, so its counters never go backwards.
@@ -513,10 +516,10 @@ def run_one(
                    mid, arms)
         if pol is not None and t_next >= next_decision - 1e-9:
             next_decision += decision_period_s
-            if push(pol.propose()):
+            if push(feed.propose()):
                 switches += 1
                 acc.switches += 1
-            greedy_table = pol.greedy()
+            greedy_table = feed.greedy()
         elif pol is None:
             greedy_table = current
         t = t_next

@@ -18,11 +18,47 @@ the same steps, so the luck of which requests happened to run cancels:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
-from tuner.protocol import Table, band_agnostic, lookup
+from policies import BandObservation, BasePolicy
+from tuner.protocol import (
+    BAND_EDGES,
+    BandCounter,
+    Table,
+    band_agnostic,
+    band_counter_deltas,
+    lookup,
+)
 from tuner.sim._step_oracle import StepOracleSums
 
-__all__ = ["StepScore", "greedy_arms", "single_arm_view"]
+__all__ = ["BandFeed", "StepScore", "greedy_arms", "single_arm_view"]
+
+
+class BandFeed:
+    """Drives a policy as the daemon does a protocol v2 server: one that learns per
+    acceptance band (``set_bands``) is fed the band counters' deltas and asked for banded
+    tables; any other gets its plain tables. Tree servers stay unbanded."""
+
+    def __init__(self, pol: BasePolicy | None, tree: bool) -> None:
+        self.pol: Any = pol
+        self.on = pol is not None and not tree and callable(getattr(pol, "set_bands", None))
+        if self.on:
+            self.pol.set_bands(BAND_EDGES)
+        self._prev: tuple[BandCounter, ...] = ()
+
+    def read(self, bands: tuple[BandCounter, ...]) -> None:
+        if self.on:  # the engine never restarts, so its counters never go backwards
+            for d in band_counter_deltas(self._prev, bands) or ():
+                if d.band > 0 and d.k > 0:
+                    self.pol.update_bands(BandObservation(
+                        d.band, d.k, d.decode_steps, d.requests, d.accepted_drafts))
+        self._prev = bands
+
+    def propose(self) -> Any:
+        return self.pol.propose_bands() if self.on else self.pol.propose()
+
+    def greedy(self) -> Any:
+        return self.pol.greedy_bands() if self.on else self.pol.greedy()
 
 
 class StepScore:

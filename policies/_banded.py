@@ -1,0 +1,143 @@
+"""Acceptance bands: an arm per (batch-size bucket, acceptance band), for protocol v2 servers.
+
+The server tells each decode step which band the running batch's acceptance is in (its live
+per-position estimate, cut at fixed edges) and counts accepted drafts per band and arm. Step
+time does not depend on the band, acceptance hardly on the batch size, so the two factor:
+
+    goodput(bucket, band, k) = b · (1 + E[accepted | band, k]) / T(b, k)
+
+``T`` is the model policy's step-time posterior (every bucket's measurements); a band's
+acceptance is its own accepted drafts per request-step per arm where it has enough of them,
+else a chain through the arms it has run, shrunk towards the band's middle. One band's
+evidence serves every bucket, as the policy's acceptance already does.
+
+A band's arm departs from its row's only on the row's greedy arm (an exploring row explores
+in every band), and by more than the switch margin.
+Protocol rule: a row whose unknown band does not draft drafts in no band either.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from policies._acceptance import expected_accepted
+
+__all__ = ["BandBook", "BandObservation", "BandTable"]
+
+# Rows of (upper bound, (k of the unknown band, k of band 1, ...)); the last bound None.
+BandTable = tuple[tuple[int | None, tuple[int, ...]], ...]
+# Request-steps of drafting at one arm of a band before its mean stands for itself (about
+# ten independent acceptance samples at the model's request-steps per sample) ...
+_MIN_REQUEST_STEPS = 300.0
+# ... and the weight, in request-steps, of the band's middle as its α before it has any.
+_PRIOR_REQUEST_STEPS = 100.0
+_ALPHAS = tuple(i / 100 for i in range(101))
+
+
+@dataclass(frozen=True, slots=True)
+class BandObservation:
+    """Drafting in one known acceptance band (1..) at arm ``k`` over one interval."""
+
+    band: int
+    k: int
+    decode_steps: int
+    request_steps: int
+    accepted_drafts: int
+
+    def problem(self) -> str | None:
+        """Why this observation must not reach a policy, or None if it is usable."""
+        if min(self.band, self.k, self.decode_steps, self.request_steps,
+               self.accepted_drafts) < 0:
+            return "negative counter"
+        if self.accepted_drafts > self.k * self.request_steps:
+            return "more accepted drafts than drafted"
+        return None
+
+
+class BandBook:
+    """What a policy knows of acceptance per band: discounted counts and the arm each band
+    of a bucket should run given the bucket's step times."""
+
+    def __init__(self, edges: Sequence[float], arms: Sequence[int], delta: float) -> None:
+        if any(not 0 < e < 1 for e in edges) or list(edges) != sorted(set(edges)):
+            raise ValueError(f"band edges must increase within (0, 1), got {list(edges)}")
+        cuts = [0.3, *edges, 1.0]
+        self.mid = tuple((lo + hi) / 2 for lo, hi in zip(cuts, cuts[1:], strict=False))
+        self.arms, self.delta = tuple(arms), delta
+        # per known band (index band - 1), per arm k > 0: discounted accepted, request-steps
+        self._acc = [{k: [0.0, 0.0] for k in self.arms if k > 0} for _ in self.mid]
+        self._emitted: list[tuple[dict[int, float], float]] | None = None
+
+    @property
+    def bands(self) -> int:
+        return len(self.mid)
+
+    def update(self, obs: BandObservation, discount: float) -> bool:
+        """Count one observation, after ageing everything by ``discount``."""
+        if (obs.problem() is not None or not 1 <= obs.band <= self.bands
+                or obs.k not in self.arms or obs.k == 0 or obs.request_steps == 0):
+            return False
+        for per_arm in self._acc:
+            for cell in per_arm.values():
+                cell[0] *= discount
+                cell[1] *= discount
+        cell = self._acc[obs.band - 1][obs.k]
+        cell[0] += obs.accepted_drafts
+        cell[1] += obs.request_steps
+        self._emitted = None
+        return True
+
+    def emitted(self, band: int) -> tuple[dict[int, float], float]:
+        """Mean emitted tokens per request-step per arm in ``band``, and the band's
+        request-steps of evidence."""
+        if self._emitted is None:
+            self._emitted = [self._fit(i) for i in range(self.bands)]
+        return self._emitted[band - 1]
+
+    def _fit(self, i: int) -> tuple[dict[int, float], float]:
+        per_arm = self._acc[i]
+        seen = {k: (acc / rs, rs) for k, (acc, rs) in per_arm.items() if rs > 0}
+        # The chain's α through the band's measured arms, weighed by evidence, shrunk to the
+        # band's middle (a band is a range of acceptance: it says something before any data).
+        alpha, total = self.mid[i], sum(rs for _, rs in seen.values())
+        if seen:
+            def loss(a: float) -> float:
+                return sum(rs * (m - expected_accepted(a, self.delta, k)) ** 2
+                           for k, (m, rs) in seen.items())
+            fitted = min(_ALPHAS, key=loss)
+            alpha = (total * fitted + _PRIOR_REQUEST_STEPS * alpha) / (
+                total + _PRIOR_REQUEST_STEPS)
+        out = {0: 1.0}
+        for k in per_arm:
+            m, rs = seen.get(k, (0.0, 0.0))
+            own = rs >= _MIN_REQUEST_STEPS
+            out[k] = 1.0 + (m if own else expected_accepted(alpha, self.delta, k))
+        return out, total
+
+    def arms_for(self, row_arm: int, log_t: Sequence[float], margin: float) -> tuple[int, ...]:
+        """Each known band's arm in a bucket whose row runs ``row_arm`` (its greedy arm) and
+        whose mean log step time per arm is ``log_t``."""
+        out = []
+        for band in range(1, self.bands + 1):
+            em, _ = self.emitted(band)
+            if row_arm == 0:  # the protocol: no band drafts where the unknown band does not
+                out.append(row_arm)
+                continue
+            value = {k: math.log(em[k]) - lt for k, lt in zip(self.arms, log_t, strict=True)}
+            best = max(self.arms, key=lambda k: (value[k], -k))
+            out.append(best if value[best] > value[row_arm] + margin else row_arm)
+        return tuple(out)
+
+
+def band_table(bounds: Sequence[int | None], rows: Sequence[tuple[int, ...]]) -> BandTable:
+    """Per-bucket ``(k of the unknown band, k per band)`` -> merged rows, last unbounded."""
+    out: list[tuple[int | None, tuple[int, ...]]] = []
+    for bound, ks in zip(bounds, rows, strict=True):
+        if out and out[-1][1] == ks:
+            out[-1] = (bound, ks)
+        else:
+            out.append((bound, ks))
+    out[-1] = (None, out[-1][1])
+    return tuple(out)
