@@ -81,7 +81,7 @@ def test_a_banded_table_is_scored_on_its_steps_and_can_beat_the_per_bucket_oracl
     # seed-kimi-pcie, diverse, one request: the per-bucket oracle runs k = 3; this table
     # drafts 1, 3, 5, 7 as the batch's acceptance rises through the bands (3 while unknown).
     table = ((None, (3, 1, 3, 5, 7)),)
-    monkeypatch.setattr(bench, "_build_policy", lambda *a, **kw: _FixedBanded(table))
+    monkeypatch.setattr(bench, "build_policy", lambda *a, **kw: _FixedBanded(table))
     r = run_one(profile="seed-kimi-pcie", workload="diverse", load="60:1", policy="banded",
                 warmup_s=5.0)
     (ph,) = r.phases
@@ -90,7 +90,7 @@ def test_a_banded_table_is_scored_on_its_steps_and_can_beat_the_per_bucket_oracl
     # Every arm it ran is one of its bands': no exploration.
     assert ph.explore_tokens_lost == 0.0
     # The same table without bands is the per-bucket oracle's, scored by expectation.
-    monkeypatch.setattr(bench, "_build_policy", lambda *a, **kw: _FixedBanded(((None, 3),)))
+    monkeypatch.setattr(bench, "build_policy", lambda *a, **kw: _FixedBanded(((None, 3),)))
     flat = run_one(profile="seed-kimi-pcie", workload="diverse", load="60:1", policy="flat",
                    warmup_s=5.0)
     assert flat.phases[0].pct_oracle_all == 100.0

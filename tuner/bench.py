@@ -45,7 +45,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from policies import DEFAULT_POLICY, BasePolicy, Buckets, Observation, make_policy
+from policies import DEFAULT_POLICY, BasePolicy, Buckets, Observation
 from tuner.bench_config import (
     DEFAULT_ARMS,
     DEFAULT_BENCH_DECISION_PERIOD_S,
@@ -59,8 +59,8 @@ from tuner.bench_config import (
     SGLANG_REAL,
     TREE_SKIPS,
     BenchConfig,
+    build_policy,
     parse_policy_spec,
-    tree_defaults,
 )
 from tuner.bench_targets import TARGETS, TargetCheck, check_targets, summarize_policies
 from tuner.plugin.core import PluginCore
@@ -76,7 +76,7 @@ from tuner.protocol import (
 )
 from tuner.sim.engine import Engine
 from tuner.sim.load import ClosedLoop, parse_load
-from tuner.sim.oracle import expected_goodput, workload_emitted
+from tuner.sim.oracle import expected_goodput
 from tuner.sim.profiles import CostProfile, load_profile
 from tuner.sim.tree import TreeArm, tree_goodput
 from tuner.sim.workloads import Workload, get_workload
@@ -340,22 +340,6 @@ def _workload_for(name: str, total_s: float) -> Workload:
     return get_workload(name)
 
 
-def _build_policy(spec: str, arms: Sequence[int], seed: int, profile: CostProfile,
-                  workload: Workload, tree: TreeShape | None = None) -> BasePolicy:
-    name, params = parse_policy_spec(spec)
-    params = tree_defaults(name, params, tree)
-    if name == "sglang-default" and "alpha" not in params and "mean_accepted" not in params:
-        # The arm SGLang's EMA settles on follows from the workload's mean accepted drafts.
-        params["mean_accepted"] = tuple(
-            (k, min(max(workload_emitted(workload, profile.acceptance, k) - 1.0, 0.0), k))
-            for k in sorted({0, 1, 3, 5, 7} | set(arms))
-        )
-    pol = make_policy(name, arms=arms, seed=seed, **params)
-    if tree is not None:  # as the daemon does from a tree server's readout
-        pol.set_verify_tokens({tree.steps: tree.draft_tokens})
-    return pol
-
-
 def run_one(
     *,
     profile: str,
@@ -404,7 +388,7 @@ def run_one(
         core = _SGLangCore(arms, started_at=0.0, graph_bs=cuda_graph_bs(cap))
     else:
         core = PluginCore(arms, started_at=0.0, tree=tree)
-        pol = _build_policy(policy, arms, seed, prof, wl, tree)
+        pol = build_policy(policy, arms, seed, prof, wl, tree)
     tree_arm = TreeArm(tree) if tree is not None else None
     engine = Engine(profile=prof, workload=wl, core=core, max_running=cap, seed=seed,
                     load=parse_load(load, seed=seed),

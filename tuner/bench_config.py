@@ -6,14 +6,18 @@ Part of :mod:`tuner.bench`, which re-exports every public name here.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from policies import make_policy
+from policies import BasePolicy, make_policy
 from tuner.config import _positive  # seconds: the run config's own check
 from tuner.errors import ConfigError
 from tuner.protocol import TreeShape
 from tuner.sim.load import parse_load
+from tuner.sim.oracle import workload_emitted
+from tuner.sim.profiles import CostProfile
+from tuner.sim.workloads import Workload
 
 __all__ = [
     "DEFAULT_ARMS",
@@ -178,3 +182,20 @@ def tree_defaults(name: str, params: dict[str, Any], tree: TreeShape | None) -> 
     # sglang-default needs the workload's acceptance, which a run fills in; validation
     # here only checks the rest.
     return params
+
+
+def build_policy(spec: str, arms: Sequence[int], seed: int, profile: CostProfile,
+                 workload: Workload, tree: TreeShape | None = None) -> BasePolicy:
+    """A bench run's policy from its spec, set up as the daemon would for the server."""
+    name, params = parse_policy_spec(spec)
+    params = tree_defaults(name, params, tree)
+    if name == "sglang-default" and "alpha" not in params and "mean_accepted" not in params:
+        # The arm SGLang's EMA settles on follows from the workload's mean accepted drafts.
+        params["mean_accepted"] = tuple(
+            (k, min(max(workload_emitted(workload, profile.acceptance, k) - 1.0, 0.0), k))
+            for k in sorted({0, 1, 3, 5, 7} | set(arms))
+        )
+    pol = make_policy(name, arms=arms, seed=seed, **params)
+    if tree is not None:  # as the daemon does from a tree server's readout
+        pol.set_verify_tokens({tree.steps: tree.draft_tokens})
+    return pol
