@@ -184,3 +184,15 @@ def test_world_runs_repeat_exactly_and_do_not_depend_on_jobs():
                            warmup_s=2.0, jobs=1)
     a, b = run_worlds(cfg), run_worlds(dataclasses.replace(cfg, jobs=2))
     assert [_figures(r) for r in a.runs] == [_figures(r) for r in b.runs]
+
+
+def test_json_has_no_nan_when_no_phase_outlasts_its_warm_up(tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--profiles", "h100-llama8b", "--workloads", "chat", "--load",
+                 "10:1", "--policies", "model", "--jobs", "1", "--json", str(out)]) == 0
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    data = json.loads(out.read_text(), parse_constant=refuse)
+    assert data["runs"][0]["pct_oracle"] is None  # 10 s of traffic, 30 s of warm-up

@@ -219,10 +219,10 @@ def _run_json(r: RunResult) -> dict[str, Any]:
     out = asdict(r)
     out["final_table"] = [list(row) for row in r.final_table]
     out["worst_convergence_s"] = r.worst_convergence_s
-    for ph in out["phases"]:  # JSON has no NaN
-        for key, value in ph.items():
+    for fields in (out, *out["phases"]):  # JSON has no NaN (no time after warm-up)
+        for key, value in fields.items():
             if isinstance(value, float) and not math.isfinite(value):
-                ph[key] = None
+                fields[key] = None
     return out
 
 
