@@ -20,6 +20,8 @@ __all__ = [
 ]
 
 Table = tuple[tuple[int | None, int], ...]
+# A protocol v2 table: per row the k of the unknown band, then of each acceptance band.
+BandTable = tuple[tuple[int | None, tuple[int, ...]], ...]
 
 # Kinds the daemon writes. The column is free text (a later kind needs no migration);
 # ``EventRecord`` only checks the length.
@@ -149,7 +151,9 @@ class PolicyVersionRecord:
     """A table the daemon decided on for ``server``.
 
     ``outcome``: ``applied`` (every replica said yes), ``rejected``, ``dry_run`` (never
-    sent), ``unsent`` (the server was unreachable).
+    sent), ``unsent`` (the server was unreachable). ``table`` is band-agnostic (what a v1
+    reader runs: each row's unknown-band ``k``); ``bands`` is the whole banded table when
+    its bands differ (protocol v2), else None.
     """
 
     server: str
@@ -159,6 +163,7 @@ class PolicyVersionRecord:
     policy: str
     reason: str
     outcome: str = "applied"
+    bands: BandTable | None = None
 
 
 @dataclass(frozen=True, slots=True)

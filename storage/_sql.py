@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy import BigInteger, Double, Integer, cast, func, select
 
 from storage._models import ObservationModel, PolicyVersionModel, ServerModel
-from storage._records import PolicyVersionRecord, Table
+from storage._records import BandTable, PolicyVersionRecord, Table
 
 __all__ = [
     "counter_fields",
@@ -118,9 +118,14 @@ def obs_query(
 
 
 def version_record(address: str, m: PolicyVersionModel) -> PolicyVersionRecord:
-    table: Table = tuple(
-        (None if b is None else int(b), int(k)) for b, k in json.loads(m.table_json)
-    )
+    rows = json.loads(m.table_json)
+    bounds = [None if r[0] is None else int(r[0]) for r in rows]
+    table: Table = tuple((b, int(r[1])) for b, r in zip(bounds, rows, strict=True))
+    width = max(len(r) for r in rows) - 1 if rows else 1
+    bands: BandTable | None = None
+    if width > 1:  # a banded table: a row of one k runs it in every band
+        bands = tuple((b, tuple(int(k) for k in r[1:]) if len(r) > 2 else (int(r[1]),) * width)
+                      for b, r in zip(bounds, rows, strict=True))
     return PolicyVersionRecord(
         server=address,
         ts=m.ts,
@@ -129,4 +134,5 @@ def version_record(address: str, m: PolicyVersionModel) -> PolicyVersionRecord:
         policy=m.policy,
         reason=m.reason,
         outcome=m.outcome,
+        bands=bands,
     )

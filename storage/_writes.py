@@ -60,7 +60,7 @@ class WritesMixin(ServersMixin):
                     "server_id": ids[p.server],
                     "ts": p.ts,
                     "version": p.version,
-                    "table_json": json.dumps([[b, k] for b, k in p.table]),
+                    "table_json": json.dumps(_table_rows(p)),
                     "policy": p.policy,
                     "reason": p.reason,
                     "outcome": p.outcome,
@@ -83,3 +83,11 @@ class WritesMixin(ServersMixin):
             ):
                 if rows:  # an empty executemany is an error
                     s.execute(insert(model), rows)
+
+
+def _table_rows(p: PolicyVersionRecord) -> list[list[int | None]]:
+    """``[bound, k]`` rows; a banded row whose bands differ as ``[bound, k_unknown, k1..]``
+    (the first ``k`` is the band-agnostic one either way)."""
+    if p.bands is None:
+        return [[b, k] for b, k in p.table]
+    return [[b, ks[0]] if len(set(ks)) == 1 else [b, *ks] for b, ks in p.bands]

@@ -19,6 +19,7 @@ from policies import BasePolicy
 from storage import Storage
 from tuner.config import SimulateConfig, TunerConfig
 from tuner.daemon import Daemon, DaemonStatus
+from tuner.daemon._tables import AnyTable, canon
 from tuner.errors import ConfigError
 from tuner.protocol import Table, format_table, lookup
 
@@ -83,8 +84,8 @@ class SimulationSummary:
     wall_s: float
     pushes: int
     final_version: int
-    server_table: Table  # what the simulated server runs at the end
-    greedy_table: Table
+    server_table: AnyTable  # what the simulated server runs at the end (banded: bands differ)
+    greedy_table: AnyTable
     buckets: tuple[BucketVerdict, ...]
     measured_goodput: float  # emitted tokens per busy second over the whole run
     oracle_goodput: float  # expected, per-batch-size oracle, same occupancy
@@ -281,7 +282,8 @@ def run_simulation(
         simulated = server.engine.now - engine_t0
         with server.lock:
             core = server.core
-            server_table, version = core.table, core.version
+            # As the daemon keeps it: banded where the bands differ.
+            server_table, version = canon(core.band_table), core.version
         policy = daemon.policy_of(address)
         status = daemon.status()
         pushes = status.servers[0].pushes if status is not None else 0
@@ -309,7 +311,7 @@ def run_simulation(
             pushes=pushes,
             final_version=version,
             server_table=server_table,
-            greedy_table=policy.greedy(),
+            greedy_table=daemon.greedy_table(address),
             buckets=verdicts,
             measured_goodput=measured,
             oracle_goodput=oracle_g,

@@ -24,6 +24,7 @@ from rich.table import Table as RichTable
 from rich.text import Text
 
 from tuner.daemon import DaemonStatus, ServerStatus
+from tuner.daemon._tables import flat, show_table
 from tuner.protocol import format_table, lookup
 
 __all__ = [
@@ -105,7 +106,7 @@ def _server_header(st: ServerStatus, now: float) -> Text:
         t.append(f"\n  {sb}", style="magenta" if st.holdout_active else None)
     if st.last_push is not None:
         p = st.last_push
-        t.append(f"\n  last push v{p.version} {_ago(now, p.ts)}: {format_table(p.table)} "
+        t.append(f"\n  last push v{p.version} {_ago(now, p.ts)}: {show_table(p.table)} "
                  f"({p.reason}, {p.outcome})", style="dim")
     return t
 
@@ -128,7 +129,8 @@ def _bucket_table(st: ServerStatus) -> RichTable | None:
         if not any(n > 0 for _, _, n in ests.values()):
             continue  # a bucket without traffic says nothing
         high = snap.buckets.bounds(i)[1] or snap.buckets.bounds(i)[0]
-        runs = str(lookup(st.server_table, high)) if st.server_table else "?"
+        # A banded row's unknown-band arm: the one it runs until acceptance is measured.
+        runs = str(lookup(flat(st.server_table), high)) if st.server_table else "?"
         greedy = snap.chosen[i] if i < len(snap.chosen) else None
         cells = []
         for arm in snap.arms:
@@ -189,7 +191,7 @@ def status_lines(status: DaemonStatus, proc: ProcessStats | None = None) -> list
         # restart the server runs its own default again.
         runs = ("?" if st.server_table is None
                 else f"v{st.server_version if st.server_version is not None else st.version} "
-                f"{format_table(st.server_table)}")
+                f"{show_table(st.server_table)}")
         sb = _switchback(st)
         lines.append(
             f"{st.address} {st.mode} runs {runs} | greedy {greedy or '-'} | "
@@ -237,7 +239,7 @@ def exit_lines(
                          f"data {greedy}")
             continue
         left = st.server_version if st.server_version is not None else st.version
-        table = format_table(st.server_table) if st.server_table else "a table not confirmed"
+        table = show_table(st.server_table) if st.server_table else "a table not confirmed"
         line = f"{st.address}: left on v{left} {table}; greedy {greedy}; {st.pushes} pushes"
         if st.read_only:
             line += " (observed only: another tuner pushes to it)"

@@ -207,9 +207,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _fmt_table(table: object) -> str:
-    from tuner.protocol import format_table
+    from tuner.daemon._tables import show_table
 
-    return format_table(table) if table else "?"  # type: ignore[arg-type]
+    return show_table(table) if table else "?"  # type: ignore[arg-type]
 
 
 def _print_simulation(s: object) -> None:

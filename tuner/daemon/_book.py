@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from policies import BasePolicy, Buckets, Observation, PolicySnapshot
+from policies import BandObservation, BandTable, BasePolicy, Buckets, Observation, PolicySnapshot
 from storage import ObservationRecord, Storage
 from tuner.config import TunerConfig
 from tuner.daemon._records import DEFAULT_POOL_LOOKBACK_IDS, _PoolKey, _Server
@@ -42,6 +42,7 @@ class _PoolPolicy:
         self.lock = threading.Lock()
         self.from_id = from_id  # the pool's rows up to this id are in the warm start
         self.pooled = 0  # rows of pool-mates under other daemons fed to it
+        self.bands_set = False  # set_bands called (by the first v2 server of the pool)
 
     def update(self, obs: Observation) -> bool:
         with self.lock:
@@ -58,6 +59,23 @@ class _PoolPolicy:
     def snapshot(self) -> PolicySnapshot:
         with self.lock:
             return self.policy.snapshot()
+
+    # The band methods of a policy that learns per acceptance band (protocol v2).
+    def set_bands(self, edges: Sequence[float]) -> None:
+        with self.lock:
+            self.policy.set_bands(edges)
+
+    def update_bands(self, obs: BandObservation) -> bool:
+        with self.lock:
+            return self.policy.update_bands(obs)
+
+    def propose_bands(self) -> BandTable | None:
+        with self.lock:
+            return self.policy.propose_bands()
+
+    def greedy_bands(self) -> BandTable | None:
+        with self.lock:
+            return self.policy.greedy_bands()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.policy, name)
@@ -102,6 +120,7 @@ class _PolicyBook:
         not warm-started right after the server changed model (``fresh_history``)."""
         warm, srv.fresh_history = not srv.fresh_history, False
         srv.arms = arms
+        srv.bands_set = False  # a fresh policy of its own learns no bands until told to
         if self.storage is not None:
             try:  # new tables are numbered above every version recorded for this server
                 latest = self.storage.latest_policy_version(srv.address)

@@ -12,7 +12,7 @@ from storage import EventRecord, ObservationRecord, PolicyVersionRecord, ServerS
 from tuner.config import TunerConfig
 from tuner.daemon._records import PushInfo, _Server
 from tuner.errors import StorageError
-from tuner.protocol import Table
+from tuner.daemon._tables import AnyTable, flat, is_banded
 
 log = logging.getLogger("tuner.daemon")  # one logger name for the whole loop
 
@@ -115,11 +115,13 @@ class _HistoryWriter:
         self._buffer.add_event(EventRecord(server, now, kind, detail[:2000]))
 
     def _record_version(
-        self, srv: _Server, now: float, version: int, table: Table, reason: str, outcome: str
+        self, srv: _Server, now: float, version: int, table: AnyTable, reason: str,
+        outcome: str,
     ) -> None:
         self._buffer.add_version(
-            PolicyVersionRecord(srv.address, now, version, table, self.config.policy, reason,
-                                outcome)
+            PolicyVersionRecord(srv.address, now, version, flat(table), self.config.policy,
+                                reason, outcome,
+                                table if is_banded(table) else None)  # type: ignore[arg-type]
         )
         srv.last_push = PushInfo(now, version, table, reason, outcome)
         if self.metrics is not None and outcome == "applied":

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from policies import Buckets, Observation
 from tuner.config import TunerConfig
 from tuner.daemon._records import _Server
-from tuner.protocol import Table, format_table, sglang_start_arm
+from tuner.daemon._tables import AnyTable, show_table
+from tuner.protocol import Table, sglang_start_arm
 from tuner.switchback import Budget, Pair, Schedule, SwitchbackGain, Window, estimate
 
 log = logging.getLogger("tuner.daemon")  # one logger name for the whole loop
@@ -41,7 +42,7 @@ def stratum(buckets: Buckets, b: int) -> str:
 class HoldoutState:
     schedule: Schedule
     t0: float | None = None
-    base: Table | None = None
+    base: AnyTable | None = None
     slot: tuple[int, str] | None = None  # (block, role) the server ran since the last tick
     block: int | None = None  # the pair being collected
     windows: dict[str, Window] = field(default_factory=dict)
@@ -123,7 +124,7 @@ class _Holdout:
             h.base = self._holdout_baseline(srv)
             log.info("%s: switchback on: the baseline %s runs %.1f%% of the time in %g s "
                      "windows, each paired with an adjacent tuned one", srv.address,
-                     format_table(h.base), 100 * h.schedule.share, h.schedule.window_s)
+                     show_table(h.base), 100 * h.schedule.share, h.schedule.window_s)
         block, drawn = h.schedule.at(now - h.t0)
         window = math.floor(max(0.0, now - h.t0) / h.schedule.window_s + 1e-9)
         if window != h.window:
@@ -146,7 +147,7 @@ class _Holdout:
         if role == "base":
             if not was_base:
                 self._event(srv.address, now, "holdout_start",
-                            f"block {block}: baseline {format_table(h.base)} for "
+                            f"block {block}: baseline {show_table(h.base)} for "
                             f"{h.schedule.window_s:g} s")
             if srv.server_table == h.base:
                 return 0
@@ -181,13 +182,13 @@ class _Holdout:
                      "the tokens spent", srv.address, block)
         return role
 
-    def _holdout_baseline(self, srv: _Server) -> Table:
+    def _holdout_baseline(self, srv: _Server) -> AnyTable:
         if srv.baseline_version == 0 and srv.start_table is not None:
             return srv.start_table
         base = startup_table(srv.arms)
         log.warning("%s: the server had v%d when first read, so its starting table is unknown; "
                     "the switchback's baseline is SGLang's startup step %s", srv.address,
-                    srv.baseline_version, format_table(base))
+                    srv.baseline_version, show_table(base))
         return base
 
     def _holdout_close_pair(self, srv: _Server, now: float) -> None:
@@ -205,7 +206,7 @@ class _Holdout:
             pair = Pair(block, {k: tuple(v) for k, v in base.sums.items()},
                         {k: tuple(v) for k, v in control.sums.items()},
                         (base.start, base.end), (control.start, control.end),
-                        format_table(h.base),
+                        show_table(h.base),
                         tuple(h.t0 + x for x in h.schedule.block_span(block)))
             if pair.terms() is None:
                 why = "no batch-size bucket busy in both windows"

@@ -30,7 +30,7 @@ from tuner.daemon._records import (
 )
 from tuner.daemon._session import _Session
 from tuner.errors import ConfigError
-from tuner.protocol import Table, format_table
+from tuner.daemon._tables import AnyTable, flat, show_table
 
 __all__ = ["Daemon"]
 
@@ -215,7 +215,7 @@ class Daemon(_Session, _Pusher, _PolicyBook, _HistoryWriter, _Holdout):
             ):
                 continue
             self._holdout_stop(srv, now)  # a baseline window ends here, like any table
-            greedy = srv.policy.greedy()
+            greedy = self._proposal(srv, greedy=True)
             if greedy == srv.server_table:
                 continue
             if srv.down_since is None and self._push(srv, greedy, "shutdown: greedy table", now):
@@ -236,12 +236,12 @@ class Daemon(_Session, _Pusher, _PolicyBook, _HistoryWriter, _Holdout):
         if self._executor is not None:
             self._executor.shutdown(wait=True)
 
-    def _unclean_stop(self, srv: _Server, greedy: Table, now: float) -> None:
+    def _unclean_stop(self, srv: _Server, greedy: AnyTable, now: float) -> None:
         """The greedy table could not be pushed at stop: the server may keep exploring."""
-        runs = (f"v{srv.server_version} {format_table(srv.server_table)}"
+        runs = (f"v{srv.server_version} {show_table(srv.server_table)}"
                 if srv.server_table is not None else "a table this daemon cannot confirm")
         why = srv.last_error or "the push was refused"
-        detail = (f"could not leave the greedy table {format_table(greedy)} at stop ({why}); "
+        detail = (f"could not leave the greedy table {show_table(greedy)} at stop ({why}); "
                   f"the server may still run {runs}, possibly an exploration table: push it "
                   "again (restart the tuner) or restart the server")
         log.error("%s: %s", srv.address, detail)
@@ -298,7 +298,10 @@ class Daemon(_Session, _Pusher, _PolicyBook, _HistoryWriter, _Holdout):
                 tuned = srv.server_table
                 if srv.holdout is not None and srv.holdout.active and srv.desired is not None:
                     tuned = srv.desired  # the gain is the tuned table's, not the holdout's
-                self.metrics.set_tables(srv.address, start=srv.start_table, current=tuned)
+                # The gain reads v1 tables: a banded one by its unknown band's arms.
+                self.metrics.set_tables(
+                    srv.address, start=None if srv.start_table is None else flat(srv.start_table),
+                    current=None if tuned is None else flat(tuned))
             servers.append(
                 ServerStatus(
                     address=srv.address,
@@ -347,6 +350,14 @@ class Daemon(_Session, _Pusher, _PolicyBook, _HistoryWriter, _Holdout):
     def status(self) -> DaemonStatus | None:
         """The picture after the last tick (None before the first)."""
         return self._status
+
+    def greedy_table(self, address: str) -> AnyTable | None:
+        """The table the daemon leaves a server on at stop: its policy's greedy one, banded
+        for a banding server (None until it has a policy)."""
+        for srv in self._servers:
+            if srv.address == address:
+                return None if srv.policy is None else self._proposal(srv, greedy=True)
+        raise KeyError(address)
 
     def policy_of(self, address: str) -> BasePolicy | None:
         """The live policy of a server (None until it has been read)."""

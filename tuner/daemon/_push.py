@@ -12,7 +12,8 @@ from storage import ObservationRecord
 from tuner.config import TunerConfig
 from tuner.daemon._records import _Server
 from tuner.errors import ServerError, ServerUnavailableError
-from tuner.protocol import ProtocolError, Table, format_table, validate_table
+from tuner.daemon._tables import AnyTable, canon, flat, show_table, validate_any
+from tuner.protocol import ProtocolError
 
 log = logging.getLogger("tuner.daemon")  # one logger name for the whole loop
 
@@ -42,6 +43,10 @@ class _Pusher:
             elif srv.policy is not None:
                 log.debug("%s: observation not used: %s", srv.address, o.problem() or "arm")
         self._buffer.add_observations(records)
+        if srv.bands and srv.policy is not None:
+            for bo in srv.band_obs:
+                srv.policy.update_bands(bo)
+        srv.band_obs = []
         srv.observations += used
         srv.decode_steps += int(steps)
         srv.interval_goodput = emitted / busy if busy > 0 else math.nan
@@ -64,20 +69,22 @@ class _Pusher:
         before = srv.desired
         if due:
             srv.last_decision = now
-            proposal = srv.policy.propose()
-            reason = "greedy" if proposal == srv.policy.greedy() else "explore"
-            if repush and proposal == before:
-                reason = "re-push after restart"
+            proposal = self._proposal(srv, greedy=False)
             try:
-                proposal = validate_table(proposal, srv.arms)
+                proposal = validate_any(proposal, srv.arms)
             except ProtocolError as exc:  # a policy bug must never reach a server
                 log.error("%s: policy %s proposed an invalid table (%s); keeping %s",
                           srv.address, self.config.policy, exc,
-                          format_table(srv.server_table) if srv.server_table else "the table")
+                          show_table(srv.server_table) if srv.server_table else "the table")
                 return 0
+            reason = "greedy" if proposal == self._proposal(srv, greedy=True) else "explore"
+            if repush and proposal == before:
+                reason = "re-push after restart"
             srv.desired = proposal
         else:
             proposal = srv.desired
+            if proposal is not None and not srv.bands:
+                proposal = flat(proposal)  # never a banded table to a v1 plugin
             reason = "re-push after restart" if repush else "re-push: replicas disagree"
         if proposal is None:
             srv.needs_push = False
@@ -88,22 +95,33 @@ class _Pusher:
                 srv.version += 1
                 self._record_version(srv, now, srv.version, proposal, reason, "dry_run")
                 log.info("%s: would push v%d %s (%s; dry run)", srv.address, srv.version,
-                         format_table(proposal), reason)
+                         show_table(proposal), reason)
             return 0
         if proposal == srv.server_table:
             if repush:
                 log.info("%s: the restarted server already runs %s; nothing to re-push",
-                         srv.address, format_table(proposal))
+                         srv.address, show_table(proposal))
             srv.needs_push = False
             return 0
         if proposal == srv.rejected_table and now - srv.rejected_at < self.config.backoff_max_s:
             # Refused by every replica already: the same table would be refused again.
             srv.needs_push = False
-            log.debug("%s: not pushing %s again (refused)", srv.address, format_table(proposal))
+            log.debug("%s: not pushing %s again (refused)", srv.address, show_table(proposal))
             return 0
         return self._push(srv, proposal, reason, now)
 
-    def _push(self, srv: _Server, table: Table, reason: str, now: float) -> int:
+    def _proposal(self, srv: _Server, *, greedy: bool) -> AnyTable:
+        """The policy's next table (``greedy``: its greedy one) for this server, in the
+        daemon's form: banded for a banding server (``_Server.bands``), else band-agnostic."""
+        policy = srv.policy
+        assert policy is not None
+        if srv.bands:
+            table = policy.greedy_bands() if greedy else policy.propose_bands()
+            if table is not None:
+                return canon(table)
+        return policy.greedy() if greedy else policy.propose()
+
+    def _push(self, srv: _Server, table: AnyTable, reason: str, now: float) -> int:
         version = srv.version + 1
         try:
             reply = srv.client.push(table, version)
@@ -139,7 +157,7 @@ class _Pusher:
             srv.last_refusal = None
             srv.pushes += 1
             self._record_version(srv, now, version, table, reason, "applied")
-            log.info("%s: pushed v%d %s (%s)", srv.address, version, format_table(table), reason)
+            log.info("%s: pushed v%d %s (%s)", srv.address, version, show_table(table), reason)
             if self.metrics is not None:
                 self.metrics.record_push(srv.address, version)
             return 1
@@ -149,7 +167,7 @@ class _Pusher:
         srv.needs_push = False
         if len(refused) == len(reply):
             srv.rejected_table, srv.rejected_at = table, now
-        srv.pending_rejection = f"v{version} {format_table(table)} refused by replica(s) {refused}"
+        srv.pending_rejection = f"v{version} {show_table(table)} refused by replica(s) {refused}"
         self._record_version(srv, now, version, table, reason, "rejected")
         log.warning("%s: v%d refused by replica(s) %s; their reason follows on the next reading",
                     srv.address, version, refused)

@@ -8,9 +8,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from policies import BasePolicy, Buckets, PolicySnapshot
+from policies import BandObservation, BasePolicy, Buckets, PolicySnapshot
 from tuner.client import SGLangClient
-from tuner.protocol import DynspecState, Table, TreeShape
+from tuner.daemon._tables import AnyTable
+from tuner.protocol import DynspecState, TreeShape
 
 # Rows kept in memory while the database is unavailable (about 100 bytes each). Beyond this
 # the oldest observations are dropped, and counted, rather than exhausting memory.
@@ -31,11 +32,11 @@ PolicyFactory = Callable[[tuple[int, ...], Buckets], BasePolicy]
 
 @dataclass(frozen=True, slots=True)
 class PushInfo:
-    """The last table decided for a server."""
+    """The last table decided for a server (banded where its bands differ)."""
 
     ts: float
     version: int
-    table: Table
+    table: AnyTable
     reason: str
     outcome: str  # applied / rejected / dry_run / unsent
 
@@ -49,7 +50,8 @@ class ServerStatus:
     up: bool | None
     arms: tuple[int, ...]
     version: int
-    server_table: Table | None  # what the server runs (as last read or pushed)
+    # What the server runs (as last read or pushed); banded where its bands differ.
+    server_table: AnyTable | None
     snapshot: PolicySnapshot | None
     last_push: PushInfo | None
     last_error: str | None
@@ -111,16 +113,21 @@ class _Server:
     model: str | None = None  # served_model_name / model_path from /server_info
     fresh_history: bool = False  # the model changed: the next policy starts without history
     policy: BasePolicy | None = None
+    # Banded tables for this server (protocol v2, no tree, a policy with set_bands); and
+    # whether set_bands was called on its own (unpooled) policy.
+    bands: bool = False
+    bands_set: bool = False
+    band_obs: list[BandObservation] = field(default_factory=list)  # this reading's
     prev: list[DynspecState] | None = None
     version: int = 0  # highest version known to be used (ours, the server's, the history's)
-    server_table: Table | None = None
+    server_table: AnyTable | None = None
     server_version: int | None = None  # as last read or applied
-    desired: Table | None = None  # what we want the server to run (re-pushed after restarts)
+    desired: AnyTable | None = None  # what we want the server to run (re-pushed after restarts)
     needs_push: bool = False
     repush: bool = False  # needs_push because the server restarted (the reason recorded)
-    start_table: Table | None = None  # what the server ran before any push (gain baseline)
+    start_table: AnyTable | None = None  # what the server ran before any push (gain baseline)
     last_decision: float | None = None
-    dry_last: Table | None = None
+    dry_last: AnyTable | None = None
     started_at: float | None = None
     # Trouble (outage, malformed replies) is reported once per streak.
     down_since: float | None = None
@@ -145,7 +152,7 @@ class _Server:
     read_only: bool = False
     # Refused by every replica: not pushed again before backoff_max_s (it would be refused
     # again unless the server changed; a restart clears it).
-    rejected_table: Table | None = None
+    rejected_table: AnyTable | None = None
     rejected_at: float = -math.inf
     pending_rejection: str | None = None  # a refusal to record if the plugin gives no reason
     last_refusal: str | None = None  # why the last push was refused (said once per cause)

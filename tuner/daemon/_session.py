@@ -6,11 +6,12 @@ from __future__ import annotations
 import logging
 import math
 
-from policies import Buckets, Observation, sum_by_arm
+from policies import BandObservation, Buckets, Observation, sum_by_arm
 from storage import ServerSeen
 from tuner.config import TunerConfig
-from tuner.daemon._book import _model_of
+from tuner.daemon._book import _model_of, _PoolPolicy
 from tuner.daemon._records import DEFAULT_PLUGIN_RECHECK_S, _Server
+from tuner.daemon._tables import AnyTable, canon, show_table
 from tuner.errors import (
     MalformedReplyError,
     PluginMissingError,
@@ -18,12 +19,13 @@ from tuner.errors import (
     ServerUnavailableError,
 )
 from tuner.protocol import (
+    BAND_EDGES,
+    BandCounter,
     CounterRow,
     DynspecState,
-    Table,
     TreeShape,
+    band_counter_deltas,
     counter_deltas,
-    format_table,
 )
 
 log = logging.getLogger("tuner.daemon")  # one logger name for the whole loop
@@ -95,11 +97,12 @@ class _Session:
             # Start the first decision one period from now, after seeing the server's own
             # table at work; a restart re-push still goes out at once.
             srv.last_decision = now
+        self._set_banding(srv, states)
         first = srv.prev is None
         restarts = srv.restarts
         srv.version = max(srv.version, *(s.policy_version for s in states))
-        tables = {s.table for s in states}
-        srv.server_table = states[0].table if len(tables) == 1 else None
+        tables = {_state_table(s) for s in states}
+        srv.server_table = _state_table(states[0]) if len(tables) == 1 else None
         if len(tables) > 1 and srv.desired is not None:
             srv.needs_push = True  # replicas disagree: bring them back in step
         srv.started_at = states[0].started_at
@@ -116,13 +119,32 @@ class _Session:
             if srv.server_table is not None:  # the baseline of report's gain figures
                 srv.start_table = srv.server_table
                 self._event(srv.address, now, "initial_table",
-                            f"v{server_version} {format_table(srv.server_table)}")
+                            f"v{server_version} {show_table(srv.server_table)}")
         elif server_version > max(srv.baseline_version, srv.sent_version):
             top = max(states, key=lambda st: st.policy_version)
-            self._foreign_push(srv, now, server_version, top.table)
+            self._foreign_push(srv, now, server_version, _state_table(top))
         return observations
 
-    def _foreign_push(self, srv: _Server, now: float, version: int, table: Table) -> None:
+    def _set_banding(self, srv: _Server, states: list[DynspecState]) -> None:
+        """Bands for a server whose every replica speaks protocol v2, without a draft tree,
+        under a policy that learns per band (``set_bands``, called once per policy: a pooled
+        one is shared). Anything else is given band-agnostic tables."""
+        policy = srv.policy
+        inner = policy.policy if isinstance(policy, _PoolPolicy) else policy
+        srv.bands = (
+            inner is not None
+            and srv.tree is None
+            and min(s.protocol for s in states) >= 2
+            and callable(getattr(inner, "set_bands", None))
+        )
+        if not srv.bands:
+            return
+        holder = policy if isinstance(policy, _PoolPolicy) else srv
+        if not holder.bands_set:
+            policy.set_bands(BAND_EDGES)
+            holder.bands_set = True
+
+    def _foreign_push(self, srv: _Server, now: float, version: int, table: AnyTable) -> None:
         """Someone else pushed a table: two tuners on one server would fight over it."""
         srv.baseline_version = version
         if srv.read_only or self.config.dry_run:
@@ -131,7 +153,7 @@ class _Session:
         srv.needs_push = False
         ours = f"v{srv.sent_version}" if srv.sent_version else "nothing yet"
         detail = (
-            f"the server runs v{version} {format_table(table)}, which this daemon did not "
+            f"the server runs v{version} {show_table(table)}, which this daemon did not "
             f"send (it sent {ours}): another tuner or an operator is pushing tables. This "
             "daemon stops pushing to it and only observes (learning and history go on); "
             "stop the other one, or run one of them with --dry-run, then restart this one"
@@ -145,12 +167,15 @@ class _Session:
             # First reading: counters since the server started, under tables we did not
             # choose, possibly already in the history. A baseline, not an observation.
             srv.rejected_seen = [s.updates_rejected for s in states]
+            srv.band_obs = []
             return []
         if len(prev) != len(states):
             self._restart(srv, now, f"DP replicas {len(prev)} -> {len(states)}")
             srv.rejected_seen = [s.updates_rejected for s in states]
+            srv.band_obs = []
             return []
         new: list[CounterRow] = []  # every DP replica's, summed per (b, k) below
+        bands: list[BandCounter] = []  # and their band counters' deltas, as they come
         pending, srv.pending_rejection = srv.pending_rejection, None
         if pending is not None and not any(
             s.updates_rejected > (srv.rejected_seen[i] if i < len(srv.rejected_seen)
@@ -174,13 +199,21 @@ class _Session:
                 if s.started_at > p.started_at:
                     # Counters of a restarted server count from zero: all of it is new.
                     new.extend(s.counters)
+                    bands.extend(s.bands)
                 continue
             deltas = counter_deltas(p.counters, s.counters)
             if deltas is None:
                 self._restart(srv, now, f"replica {i}: counters went backwards")
                 continue
             new.extend(deltas)
+            # Band counters that went backwards alone are not a restart the (b, k) ones
+            # missed; they are dropped, never fed across it.
+            bands.extend(band_counter_deltas(p.bands, s.bands) or ())
         srv.rejected_seen = [s.updates_rejected for s in states]
+        srv.band_obs = [
+            BandObservation(c.band, c.k, c.decode_steps, c.requests, c.accepted_drafts)
+            for c in bands if c.band > 0 and c.k > 0
+        ] if srv.bands else []
         return sum_by_arm(new)
 
     def _restart(self, srv: _Server, now: float, detail: str) -> None:
@@ -264,6 +297,11 @@ class _Session:
         srv.next_attempt = -math.inf
         if self.metrics is not None:
             self.metrics.set_up(srv.address, True)
+
+
+def _state_table(state: DynspecState) -> AnyTable:
+    """What a replica runs, in the daemon's form (a banded table only where bands differ)."""
+    return canon(state.band_table) if state.band_table is not None else state.table
 
 
 def _arms_text(arms: tuple[int, ...], tree: TreeShape | None) -> str:
