@@ -86,3 +86,11 @@ def test_a_v1_server_gets_only_band_agnostic_tables(tmp_path):
     assert is_uniform(final)
     with Storage(f"sqlite:///{tmp_path / 'h.db'}", read_only=True) as st:
         assert all(v.bands is None for v in st.policy_versions(server=sim.addr))
+
+
+def test_a_banded_starting_table_is_read_back_band_agnostic_for_the_gain():
+    from tuner.report_gain import parse_table_text
+
+    text = show_table(((8, (3, 1, 3, 3, 5)), (None, (1, 1, 1, 1, 1))))
+    assert text == "b<=8:k3/1,3,3,5 rest:k1"
+    assert parse_table_text(text) == ((8, 3), (None, 1))

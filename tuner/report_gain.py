@@ -47,7 +47,8 @@ log = logging.getLogger(__name__)
 
 BASELINE_LABELS = {"start": "the server's starting table", "k0": "k=0 (no speculation)",
                    "always": "always-speculate"}
-_ROW = re.compile(r"^(?:b<=(\d+)|rest):k(\d+)$")
+# A banded row (``k3/1,3,3,5``) reads as its unknown band's arm, the band-agnostic one.
+_ROW = re.compile(r"^(?:b<=(\d+)|rest):k(\d+)(?:/[\d,]+)?$")
 # Contiguous stretches of time the jackknife leaves out in turn (fixed in advance, not fitted).
 JACKKNIFE_GROUPS = 8
 
