@@ -9,9 +9,10 @@ cancels in the pair. Unpaired errors from the spread of single slices were 15-30
 shared 2-core machine, too wide to decide 2 %.
 
 A learned arm is then, against the measured best, ``within`` the tolerance, ``worse`` (its
-shortfall is over the tolerance and over the measurement's resolution, two standard errors of
-the paired log ratio), or ``unresolved`` (over the tolerance, but within the resolution: the
-measurement cannot tell the two apart, and says so).
+shortfall is over the tolerance and over the measurement's resolution, the half-width of the
+paired log ratio's 95 % interval: Student t with one degree of freedom fewer than rounds, as
+a few rounds of a bursty load are all a test has), or ``unresolved`` (over the tolerance, but
+within the resolution: the measurement cannot tell the two apart, and says so).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+
+from tuner.switchback import t975
 
 __all__ = ["Tally", "Verdict", "arm_figures", "compare", "log_ratio", "round_order", "settled"]
 
@@ -106,12 +109,13 @@ class Verdict:
     chosen: int
     gap: float  # 1 - goodput(chosen) / goodput(best): 0 when the learned arm is the best
     se: float  # paired standard error of log(goodput chosen / goodput best); 0 when the same
+    rounds: int
     verdict: str  # "within" | "unresolved" | "worse"
 
     @property
     def resolution(self) -> float:
-        """The smallest shortfall this measurement tells from none: two standard errors."""
-        return 1 - math.exp(-2 * self.se)
+        """The smallest shortfall this measurement tells from none (95 %, Student t)."""
+        return 1 - math.exp(-t975(self.rounds - 1) * self.se) if self.se else 0.0
 
     @property
     def ok(self) -> bool:
@@ -126,18 +130,18 @@ def compare(rounds: Rounds, arms: Sequence[int], chosen: int, tolerance: float) 
         raise ValueError(f"arms {missing} ran no timed step in the bucket")
     best = max(arms, key=lambda k: figures[k])
     if chosen == best:
-        return Verdict(best, chosen, 0.0, 0.0, "within")
+        return Verdict(best, chosen, 0.0, 0.0, len(rounds), "within")
     lr = log_ratio(rounds, chosen, best)
     assert lr is not None
     value, se = lr
     gap = 1 - math.exp(value)
     if gap <= tolerance:
         verdict = "within"
-    elif -value > 2 * se:
+    elif -value > t975(len(rounds) - 1) * se:
         verdict = "worse"
     else:
         verdict = "unresolved"
-    return Verdict(best, chosen, gap, se, verdict)
+    return Verdict(best, chosen, gap, se, len(rounds), verdict)
 
 
 def settled(rounds: Rounds, arms: Sequence[int], tolerance: float) -> bool:

@@ -42,6 +42,16 @@ def test_a_shortfall_beyond_tolerance_and_resolution_is_worse():
     assert settled(rounds, ARMS, 0.02)
 
 
+def test_the_resolution_widens_with_fewer_rounds():
+    """Student t: the same shortfall and paired error are decisive over many rounds, not
+    over three (t 4.30 against 1.96 for a normal)."""
+    few = rounds_with({0: 50, 1: 90, 3: 100}, [1, 2, 1.5], noise=0.06, seed=4)
+    v = compare(few, ARMS, 1, 0.02)
+    assert v.best == 3 and v.verdict == "unresolved" and -math.log(1 - v.gap) > 2 * v.se
+    many = rounds_with({0: 50, 1: 90, 3: 100}, [1, 2, 1.5] * 8, noise=0.06, seed=4)
+    assert compare(many, ARMS, 1, 0.02).verdict == "worse"
+
+
 def test_a_shortfall_inside_the_noise_is_unresolved_not_worse():
     rounds = rounds_with({0: 50, 1: 96, 3: 100}, [1, 2, 1.5, 3], noise=0.3, seed=2)
     v = compare(rounds, ARMS, 1, 0.02)
