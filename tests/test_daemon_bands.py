@@ -18,8 +18,8 @@ class Sim(LoopbackSim):
     """One request of the ``diverse`` workload (acceptance differs a lot between requests),
     recording every update the server received."""
 
-    def __init__(self, plugin_protocol: int = 2) -> None:
-        super().__init__(profile="seed-kimi-pcie", workload="diverse", load="1", seed=3)
+    def __init__(self, plugin_protocol: int = 2, seed: int = 3) -> None:
+        super().__init__(profile="seed-kimi-pcie", workload="diverse", load="1", seed=seed)
         if plugin_protocol == 1:  # a server still on the previous plugin
             old = self.server.engine.core
             self.server.engine.core = PluginCore(old.arms, started_at=old.started_at,
@@ -33,17 +33,24 @@ class Sim(LoopbackSim):
         return call_next(req)
 
 
-def _run(sim: Sim, tmp_path, ticks: int) -> Daemon:
+def _run(sims: Sim | list[Sim], tmp_path, ticks: int, **cfg) -> Daemon:
+    sims = sims if isinstance(sims, list) else [sims]
     clock = FakeClock()
-    config = TunerConfig(servers=(sim.addr,), interval_s=1.0, decision_period_s=5.0,
-                         policy="model", seed=1, db_url=f"sqlite:///{tmp_path / 'h.db'}")
+    config = TunerConfig(servers=tuple(s.addr for s in sims), interval_s=1.0,
+                         decision_period_s=5.0, policy="model", seed=1,
+                         db_url=f"sqlite:///{tmp_path / 'h.db'}", **cfg)
     d = Daemon(config, storage=Storage(config.db_url), clock=clock)
     d.run_once()
-    for _ in range(ticks):
-        sim.step()
+    _ticks(d, sims, clock, ticks)
+    return d
+
+
+def _ticks(d: Daemon, sims: list[Sim], clock: FakeClock, n: int) -> None:
+    for _ in range(n):
+        for s in sims:
+            s.step()
         clock.advance(1.0)
         d.run_once()
-    return d
 
 
 def _banded_posts(posts: list[dict]) -> list[dict]:
@@ -94,3 +101,53 @@ def test_a_banded_starting_table_is_read_back_band_agnostic_for_the_gain():
     text = show_table(((8, (3, 1, 3, 3, 5)), (None, (1, 1, 1, 1, 1))))
     assert text == "b<=8:k3/1,3,3,5 rest:k1"
     assert parse_table_text(text) == ((8, 3), (None, 1))
+
+
+def test_a_pool_of_v1_and_v2_servers_shares_bands_but_sends_none_to_v1(tmp_path):
+    """A fleet half-way through an upgrade: one pooled policy learns bands from the v2
+    server; the v1 server still gets only band-agnostic tables."""
+    with Sim(plugin_protocol=1, seed=4) as old, Sim(seed=5) as new:
+        d = _run([old, new], tmp_path, 150, pool="kimi")
+        assert d.policy_of(old.addr) is d.policy_of(new.addr)  # one policy for both
+        d.shutdown()
+        with old.server.lock, new.server.lock:
+            refused = old.server.core.updates_rejected + new.server.core.updates_rejected
+            final_old, final_new = old.server.core.band_table, new.server.core.band_table
+    assert refused == 0
+    assert old.posts and _banded_posts(old.posts) == [] and is_uniform(final_old)
+    assert {p["dynspec_protocol"] for p in old.posts} == {1}
+    assert _banded_posts(new.posts) and not is_uniform(final_new)
+
+
+def test_band_counters_are_never_fed_across_a_restart(tmp_path):
+    """The server restarts without a new start time (its counters go backwards): the (b, k)
+    deltas of that reading are dropped, and so are the band counters'."""
+    fed: list[int] = []  # per tick: band observations the policy was fed
+    with Sim() as sim:
+        d = _run(sim, tmp_path, 20)
+        policy = d.policy_of(sim.addr)
+        inner = policy.update_bands
+
+        def spy(obs):
+            fed[-1] += 1
+            return inner(obs)
+
+        policy.update_bands = spy
+        clock = FakeClock(d.clock() + 1.0)
+        d.clock = clock
+        fed.append(0)
+        _ticks(d, [sim], clock, 1)
+        assert fed[-1] > 0  # a normal reading feeds the bands
+        with sim.server.lock:  # same start time, counters from zero
+            old = sim.server.engine.core
+            sim.server.engine.core = PluginCore(old.arms, started_at=old.started_at,
+                                                default_arm=3)
+        sim.step()
+        fed.append(0)
+        _ticks(d, [sim], clock, 1)
+        restarts = d.status().servers[0].restarts
+        fed.append(0)
+        _ticks(d, [sim], clock, 1)
+        d.shutdown()
+    assert restarts == 1 and fed[1] == 0  # nothing across the restart
+    assert fed[2] > 0  # the next reading, of one run again, feeds them
