@@ -17,11 +17,9 @@ from tuner.protocol import (
     BandTable,
     Table,
     band_agnostic,
-    band_table_to_json,
     format_band_table,
     format_table,
     is_uniform,
-    table_to_json,
     validate_band_table,
     validate_table,
 )
@@ -52,19 +50,16 @@ def validate_any(table: AnyTable, arms: Iterable[int]) -> AnyTable:
         ProtocolError: naming the first rule broken.
     """
     if is_banded(table):
-        return canon(validate_band_table(((b, *ks) for b, ks in table), arms))  # type: ignore[misc]
+        rows = ((b, *ks) for b, ks in table)  # type: ignore[misc]
+        return canon(validate_band_table(rows, arms))
     return validate_table(table, arms)  # type: ignore[arg-type]
 
 
 def show_table(table: AnyTable) -> str:
     """``b<=8:k5 rest:k1``; a banded row as ``k3/1,1,3,5`` (unknown band / bands 1..4)."""
-    return format_band_table(table) if is_banded(table) else format_table(table)  # type: ignore[arg-type]
+    if is_banded(table):
+        return format_band_table(table)  # type: ignore[arg-type]
+    return format_table(table)  # type: ignore[arg-type]
 
 
-def table_json(table: AnyTable) -> list[list[int | None]]:
-    """v1 rows ``[bound, k]``; a row whose bands differ as ``[bound, k_unknown, k1..k4]``."""
-    return band_table_to_json(table) if is_banded(table) else table_to_json(table)  # type: ignore[arg-type]
-
-
-__all__ = ["AnyTable", "canon", "flat", "is_banded", "show_table", "table_json",
-           "validate_any"]
+__all__ = ["AnyTable", "canon", "flat", "is_banded", "show_table", "validate_any"]
