@@ -151,3 +151,26 @@ def test_band_counters_are_never_fed_across_a_restart(tmp_path):
         d.shutdown()
     assert restarts == 1 and fed[1] == 0  # nothing across the restart
     assert fed[2] > 0  # the next reading, of one run again, feeds them
+
+
+def test_a_server_upgraded_to_v2_in_place_starts_getting_banded_tables(tmp_path):
+    """v1 plugin, then the server restarts on the v2 plugin: the policy keeps what it learnt
+    per (b, k), starts learning bands, and the new plugin is given banded tables."""
+    with Sim(plugin_protocol=1) as sim:
+        d = _run(sim, tmp_path, 40)
+        n_v1 = len(sim.posts)
+        assert n_v1 and _banded_posts(sim.posts) == []
+        with sim.server.lock:  # the upgrade: a new process, a v2 plugin on the default table
+            old = sim.server.engine.core
+            sim.server.engine.core = PluginCore(old.arms, started_at=old.started_at + 60.0,
+                                                default_arm=3)
+        clock = FakeClock(d.clock() + 1.0)
+        d.clock = clock
+        _ticks(d, [sim], clock, 110)
+        d.shutdown()
+        with sim.server.lock:
+            core = sim.server.core
+            final, refused = core.band_table, core.updates_rejected
+    assert refused == 0 and d.status().servers[0].restarts == 1
+    assert {p["dynspec_protocol"] for p in sim.posts[n_v1:]} == {2}
+    assert _banded_posts(sim.posts[n_v1:]) and not is_uniform(final)
