@@ -5,13 +5,22 @@ from __future__ import annotations
 
 import json
 
+import httpx
+
 from storage import Storage
 from tests._fakes import FakeClock, LoopbackSim
+from tuner.client import SGLangClient
 from tuner.config import TunerConfig
 from tuner.daemon import Daemon
 from tuner.daemon._tables import show_table
 from tuner.plugin.core import PluginCore
-from tuner.protocol import is_uniform
+from tuner.protocol import (
+    BAND_EDGES,
+    DynspecState,
+    TreeShape,
+    band_counter_deltas,
+    is_uniform,
+)
 
 
 class Sim(LoopbackSim):
@@ -174,3 +183,112 @@ def test_a_server_upgraded_to_v2_in_place_starts_getting_banded_tables(tmp_path)
     assert refused == 0 and d.status().servers[0].restarts == 1
     assert {p["dynspec_protocol"] for p in sim.posts[n_v1:]} == {2}
     assert _banded_posts(sim.posts[n_v1:]) and not is_uniform(final)
+
+
+# --- the band plumbing against the plugin's core (a fake SGLang, scripted policy) ----------
+
+
+def _scripted_bands():
+    from tests.test_daemon import ScriptedPolicy
+
+    class Banding(ScriptedPolicy):
+        """Proposes a banded table; records every band call."""
+
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.edges: list[tuple[float, ...]] = []
+            self.band_fed: list = []
+            self.banded = ((8, (3, 1, 3, 3, 3)), (None, (1, 0, 1, 1, 3)))
+
+        def set_bands(self, edges):
+            self.edges.append(tuple(edges))
+
+        def update_bands(self, obs):
+            self.band_fed.append(obs)
+            return True
+
+        def propose_bands(self):
+            return self.banded
+
+        def greedy_bands(self):
+            return self.banded
+
+    return Banding
+
+
+def _fake_server():
+    from tests.test_daemon import FakeServer
+
+    class Measuring(FakeServer):
+        """Each step also folds its verify result (one accepted draft per request) into the
+        plugin's acceptance estimate, which picks the step's band."""
+
+        def decode(self, b, steps, *, k=None, dt=0.01):
+            for core in self.cores:
+                it, ts = self._iter, self._ts
+                for _ in range(steps + 1):
+                    kk = core.steps_for_batch(b) if k is None else k
+                    band = core.observe(kk, [1] * b) if kk else None
+                    it += 1
+                    ts += dt
+                    core.record_decode(b, kk, 2 * b, b if kk else 0, ts, it, band=band)
+                core.record_decode(b, 0, 0, 0, ts + 10, it + 5)
+            self._iter += steps + 10
+            self._ts += steps * dt + 20
+
+    return Measuring()
+
+
+def _fake_daemon(srv, tmp_path, clock):
+    Banding = _scripted_bands()
+    config = TunerConfig(servers=("gpu:1",), interval_s=1.0, decision_period_s=5.0)
+    client = SGLangClient("gpu:1", transport=httpx.MockTransport(srv))
+    return Daemon(config, storage=Storage(f"sqlite:///{tmp_path / 'h.db'}"),
+                  clients={"gpu:1": client}, clock=clock,
+                  policy_factory=lambda arms, buckets: Banding(arms=arms, buckets=buckets))
+
+
+def test_band_counter_deltas_reach_the_policy_and_its_banded_table_the_server(tmp_path):
+    srv, clock = _fake_server(), FakeClock()
+    d = _fake_daemon(srv, tmp_path, clock)
+    d.run_once()
+    policy = d.policy_of("gpu:1")
+    before = srv.cores[0].readout()
+    for b in (1, 4, 16):
+        srv.decode(b, 40)
+    after = srv.cores[0].readout()
+    clock.advance(1.0)
+    d.run_once()
+    assert policy.edges == [BAND_EDGES]  # once, with the protocol's edges
+    deltas = band_counter_deltas(DynspecState.from_json(before).bands,
+                                 DynspecState.from_json(after).bands)
+    want = sorted((c.band, c.k, c.decode_steps, c.requests, c.accepted_drafts)
+                  for c in deltas if c.band > 0 and c.k > 0)
+    got = sorted((o.band, o.k, o.decode_steps, o.request_steps, o.accepted_drafts)
+                 for o in policy.band_fed)
+    assert got == want and want  # known bands and drafting arms only, as counted
+    for _ in range(5):
+        clock.advance(1.0)
+        d.run_once()
+    assert policy.edges == [BAND_EDGES]  # never again: it would forget the bands
+    assert srv.cores[0].band_table == policy.banded and srv.cores[0].updates_rejected == 0
+    assert srv.posts[-1]["dynspec_r1_k4"] == 3
+    st = d.status().servers[0]
+    assert st.server_table == policy.banded and st.last_push.table == policy.banded
+    d.shutdown()
+
+
+def test_a_tree_server_gets_no_bands(tmp_path):
+    srv, clock = _fake_server(), FakeClock()
+    srv.cores = [PluginCore((0, 2), started_at=500.0, tree=TreeShape(4, 2, 16))]
+    d = _fake_daemon(srv, tmp_path, clock)
+    d.run_once()
+    for _ in range(7):
+        srv.decode(4, 20)
+        clock.advance(1.0)
+        d.run_once()
+    policy = d.policy_of("gpu:1")
+    d.shutdown()
+    assert policy.edges == [] and policy.band_fed == []
+    assert srv.posts and _banded_posts(srv.posts) == []
+    assert srv.posts[0]["dynspec_protocol"] == 2
