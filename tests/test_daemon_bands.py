@@ -27,8 +27,8 @@ class Sim(LoopbackSim):
     """One request of the ``diverse`` workload (acceptance differs a lot between requests),
     recording every update the server received."""
 
-    def __init__(self, plugin_protocol: int = 2, seed: int = 3) -> None:
-        super().__init__(profile="seed-kimi-pcie", workload="diverse", load="1", seed=seed)
+    def __init__(self, plugin_protocol: int = 2, seed: int = 3, load: str = "1") -> None:
+        super().__init__(profile="seed-kimi-pcie", workload="diverse", load=load, seed=seed)
         if plugin_protocol == 1:  # a server still on the previous plugin
             old = self.server.engine.core
             self.server.engine.core = PluginCore(old.arms, started_at=old.started_at,
