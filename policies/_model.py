@@ -71,6 +71,10 @@ DEFAULT_MODEL_SAMPLE_SCALE = 1.0
 # Young buckets measure the arm with the best mean + OPTIMISM sd first.
 DEFAULT_OPTIMISM = 1.0
 DEFAULT_YOUNG_STEPS = 500
+# ... or its first this many busy seconds, whichever ends first: youth is for measuring each
+# plausible arm once (a few decisions), and 500 steps are a few seconds on a GPU but minutes
+# of decisions on a server whose steps take 100 ms or more.
+DEFAULT_YOUNG_S = 10.0
 # z-score at which the short acceptance memory overrules the long one (a workload shift).
 DEFAULT_SHIFT_Z = 3.0
 # Shift detector: the short acceptance memory (decode steps) and the evidence it needs.
@@ -94,6 +98,7 @@ class ModelParams(LearnerParams):
         optimism: for its first ``young_steps`` decode steps, a bucket runs the arm with
             the best mean + ``optimism`` standard deviations (0 = posterior sampling only).
         young_steps: see ``optimism``.
+        young_s: ... and for its first ``young_s`` busy seconds (whichever ends first).
         shift_z: z-score at which recent acceptance overrules the long memory (a shift).
     """
 
@@ -106,6 +111,7 @@ class ModelParams(LearnerParams):
     zero_arm_sd: float = DEFAULT_ZERO_ARM_SD
     optimism: float = DEFAULT_OPTIMISM
     young_steps: int = DEFAULT_YOUNG_STEPS
+    young_s: float = DEFAULT_YOUNG_S
     shift_z: float = DEFAULT_SHIFT_Z
 
     def __post_init__(self) -> None:
@@ -124,6 +130,8 @@ class ModelParams(LearnerParams):
         _require(0 <= self.optimism < math.inf, "optimism", ">= 0 and finite", self.optimism)
         _require(isinstance(self.young_steps, int) and self.young_steps >= 0, "young_steps",
                  "an int >= 0", self.young_steps)
+        _require(0 <= self.young_s <= math.inf, "young_s", ">= 0 (inf = steps only)",
+                 self.young_s)
         _require(0 < self.shift_z <= math.inf, "shift_z", "positive (inf = never)",
                  self.shift_z)
 
@@ -154,6 +162,7 @@ class ModelPolicy(LearningPolicy):
         # per bucket, per arm: discounted log step time (ArmStats over log seconds)
         self._time = [{k: ArmStats() for k in self.arms} for _ in range(len(self.buckets))]
         self._occ = [[0.0, 0.0] for _ in range(len(self.buckets))]  # discounted steps, steps*b
+        self._busy = [0.0] * len(self.buckets)  # busy seconds per bucket (its youth)
         self._pred: np.ndarray | None = None  # [bucket, arm] -> (mean, sd) of log goodput/req
         self._comp: tuple[StepTimePosterior, dict[int, float], dict[int, float]] | None = None
         self._alpha = (0.7, 0.3)  # chain-model α and its standard error
@@ -212,6 +221,7 @@ class ModelPolicy(LearningPolicy):
         for t in self._time[j].values():
             t.decay(factor)
         self._time[j][obs.k].add(math.log(obs.busy_s / s), weight, weight / s, obs.b, s)
+        self._busy[j] += obs.busy_s
         occ = self._occ[j]
         occ[0] = occ[0] * factor + s
         occ[1] = occ[1] * factor + s * obs.b
@@ -327,9 +337,20 @@ class ModelPolicy(LearningPolicy):
         """Log step time per (bucket, arm): the cost model plus each cell's learned deviation
         (:mod:`policies._steptime`), conditioned on every bucket's measured step times."""
         p = self.params
+        # The jitter a cell's few observations are judged by: the prior's, or what the server
+        # shows across every cell, whichever is larger. A loaded CPU server's step times swing
+        # 3-5x from one second to the next; an arm measured for two seconds under the prior's
+        # few-% jitter would be trusted within 5 % and never run again.
+        resid = dof = 0.0
+        for per_arm in self._time:
+            for t in per_arm.values():
+                if t.n > 1:
+                    resid += max(t.q - t.s * t.s / t.w, 0.0)
+                    dof += t.n - 1.0
+        jitter = max(p.timing_sd, math.sqrt(resid / dof) if dof >= 2 else 0.0)
         cells = [
             Cell(bucket=j, arm=self._cost_k[k], b=t.mean_b, log_t=t.mean,
-                 sd=t.mean_sd(p.timing_sd, p.prior_obs), weight=t.w)
+                 sd=t.mean_sd(jitter, p.prior_obs), weight=t.w)
             for j, per_arm in enumerate(self._time) for k, t in per_arm.items() if t.seen
         ]
         rep = [self._rep_b(j) for j in range(len(self.buckets))]
@@ -391,11 +412,12 @@ class ModelPolicy(LearningPolicy):
                      for st in self._state)
 
     def _explore(self, j: int, greedy: int) -> int:
-        """While the bucket is young (its first ``young_steps``), measure the arm
+        """While the bucket is young (its first ``young_steps`` and ``young_s``), measure the arm
         whose optimistic value (mean + ``optimism`` sd) is highest: each plausible arm once,
         early, where a measurement is worth most. Afterwards, posterior sampling."""
         p, st = self.params, self._state[j]
-        if st.steps < p.young_steps and p.optimism > 0:
+        young = st.steps < p.young_steps and self._busy[j] < p.young_s
+        if young and p.optimism > 0:
             t, em, em_sd = self._components()
             values = []
             for ai, arm in enumerate(self.arms):

@@ -62,7 +62,7 @@ DEFAULT_ZERO_ARM_SD = 0.15
 # spread of scales, so the fit can place a curve whose knee it does not know.
 _SATURATION_TOKENS: tuple[float, ...] = (2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0)
 _N_SHARED = 4 + len(_SATURATION_TOKENS)  # non-negative costs; k = 0's own two come last
-_RIDGE = 1e-4
+_RIDGE = 1e-5
 _MAX_SD = 0.5  # posterior spread where nothing is known (log step time)
 _JITTER = 1e-10
 
@@ -149,18 +149,21 @@ def _fit(cells: Sequence[Cell], zero_arm_sd: float) -> tuple[np.ndarray, np.ndar
     gram, rhs = a.T @ a, a.T @ sw
     p = x.shape[1]
     # Prior precision: a whisper of ridge, and k = 0's own intercept near zero (relative
-    # spread zero_arm_sd) until k = 0 runs.
+    # spread zero_arm_sd) until k = 0 runs. The ridge is relative to the cells' precision:
+    # held absolute, it would grow with the misfit and flatten the features the cells do
+    # speak for (b·k on a table measured to 16 requests), widening the misfit further.
     t_typ = math.exp(float(np.mean(np.log(y))))
-    prior = np.full(p, _RIDGE * max(float(np.trace(gram)), 1e-12) / 0.04**2)
-    prior[_N_SHARED:] += 1.0 / (zero_arm_sd * t_typ) ** 2
+    ridge = np.eye(p) * _RIDGE * max(float(np.trace(gram)), 1e-12)
+    prior = np.zeros(p)
+    prior[_N_SHARED:] = 1.0 / (zero_arm_sd * t_typ) ** 2
     dof = max(len(cells) - p, 0)
     unit2 = 0.04**2  # misfit per unit weight: a few % until the residuals say
     for _ in range(2):
-        reg = gram / unit2 + np.diag(prior)
+        reg = (gram + ridge) / unit2 + np.diag(prior)
         theta = _nnls(reg, rhs / unit2)
         rel = 1.0 - (x @ theta) / y
         unit2 = (4 * 0.04**2 + float(sw**2 @ (rel * rel))) / (4 + dof)
-    return theta, np.linalg.inv(gram / unit2 + np.diag(prior))
+    return theta, np.linalg.inv((gram + ridge) / unit2 + np.diag(prior))
 
 
 def _nnls(reg: np.ndarray, rhs: np.ndarray) -> np.ndarray:
