@@ -211,3 +211,19 @@ def test_read_only_open_of_an_empty_file_says_no_history(tmp_path):
     (tmp_path / "empty.db").touch()
     with pytest.raises(StorageError, match="no dynspec history"):
         Storage(f"sqlite:///{tmp_path / 'empty.db'}", read_only=True)
+
+
+def test_a_banded_table_round_trips_with_its_band_agnostic_view(db_url):
+    banded = ((8, (3, 1, 3, 3, 5)), (64, (3, 3, 3, 3, 3)), (None, (1, 0, 1, 1, 3)))
+    with Storage(db_url) as st:
+        st.record_tick(
+            servers=[ServerSeen(A, (0, 1, 3, 5), seen_at=100.0, started_at=50.0)],
+            policy_versions=[
+                PolicyVersionRecord(A, 100.0, 7, ((8, 3), (64, 3), (None, 1)), "model",
+                                    "greedy", "applied", banded),
+                PolicyVersionRecord(A, 101.0, 8, ((None, 3),), "model", "explore"),
+            ],
+        )
+        first, second = st.policy_versions(server=A)
+    assert first.bands == banded and first.table == ((8, 3), (64, 3), (None, 1))
+    assert second.bands is None and second.table == ((None, 3),)
