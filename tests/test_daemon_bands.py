@@ -292,3 +292,25 @@ def test_a_tree_server_gets_no_bands(tmp_path):
     assert policy.edges == [] and policy.band_fed == []
     assert srv.posts and _banded_posts(srv.posts) == []
     assert srv.posts[0]["dynspec_protocol"] == 2
+
+
+def test_the_report_shows_a_banded_version_whole(tmp_path):
+    from storage import ObservationRecord, PolicyVersionRecord, ServerSeen
+    from tuner.report import build_report, render_html, render_text, report_to_json
+
+    banded = ((8, (3, 1, 3, 3, 5)), (None, (1, 0, 1, 1, 3)))
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    with Storage(url) as st:
+        st.record_tick(
+            servers=[ServerSeen("gpu:1", (0, 1, 3, 5), seen_at=100.0, started_at=50.0)],
+            observations=[ObservationRecord("gpu:1", 100.0, 4, 3, 10, 80, 40, 120, 0.1)],
+            policy_versions=[PolicyVersionRecord("gpu:1", 100.0, 7, ((8, 3), (None, 1)),
+                                                 "model", "greedy", "applied", banded)],
+        )
+        report = build_report(st)
+    text = render_text(report)
+    assert "b<=8:k3/1,3,3,5 rest:k1/0,1,1,3" in text
+    assert "b&lt;=8:k3/1,3,3,5 rest:k1/0,1,1,3" in render_html(report)
+    (version,) = report_to_json(report)["servers"][0]["versions"]
+    assert version["table"] == [[8, 3], [None, 1]]  # what a v1 reader runs
+    assert version["bands"] == [[8, 3, 1, 3, 3, 5], [None, 1, 0, 1, 1, 3]]

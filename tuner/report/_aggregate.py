@@ -247,7 +247,7 @@ def summarize(
     always_k = always if always is not None else always_arm(all_arms)
 
     all_versions = [
-        VersionEntry(v.ts, v.version, tuple(v.table), v.policy, v.reason, v.outcome)
+        VersionEntry(v.ts, v.version, tuple(v.table), v.policy, v.reason, v.outcome, v.bands)
         for v in versions
         if until is None or v.ts < until
     ]

@@ -7,7 +7,7 @@ import html
 
 from tuner.report._model import Report
 from tuner.report._plots import PLOT_NAMES
-from tuner.report._text import _iso, _num, _pct, _table_str
+from tuner.report._text import _iso, _num, _pct, _version_str
 
 
 # --- HTML ---------------------------------------------------------------------------------------
@@ -47,7 +47,7 @@ def render_html(report: Report, plots: dict[str, dict[str, bytes]] | None = None
             parts.append(
                 f"<p>Table in effect: <b>v{s.table.version}</b> ({e(s.table.policy)}, "
                 f"{e(s.table.outcome)} {e(_iso(s.table.ts))}): "
-                f"<code>{e(_table_str(s.table.table))}</code></p>"
+                f"<code>{e(_version_str(s.table))}</code></p>"
             )
         if s.metrics_only:
             parts.append("<p>Metrics-only mode (no dynspec plugin): coarse per-interval "
@@ -113,7 +113,7 @@ def render_html(report: Report, plots: dict[str, dict[str, bytes]] | None = None
                 parts.append(
                     f"<tr><td>v{v.version}</td><td class='l'>{e(_iso(v.ts))}</td>"
                     f"<td class='l'>{e(v.outcome)}</td><td class='l'><code>"
-                    f"{e(_table_str(v.table))}</code></td><td class='l'>{e(v.policy)}: "
+                    f"{e(_version_str(v))}</code></td><td class='l'>{e(v.policy)}: "
                     f"{e(v.reason)}</td></tr>"
                 )
             parts.append("</table>")

@@ -7,6 +7,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from tuner.protocol import band_table_to_json
 from tuner.report._model import REPORT_SCHEMA, Report, ServerReport, VersionEntry
 
 
@@ -24,7 +25,7 @@ def _table_json(table: Sequence[tuple[int | None, int]]) -> list[list[int | None
 
 
 def _version_json(v: VersionEntry) -> dict[str, Any]:
-    return {
+    out = {
         "ts": _f(v.ts, 3),
         "version": v.version,
         "table": _table_json(v.table),
@@ -32,6 +33,9 @@ def _version_json(v: VersionEntry) -> dict[str, Any]:
         "reason": v.reason,
         "outcome": v.outcome,
     }
+    if v.bands is not None:  # only a banded table: [bound, k_unknown, k1..k4] per row
+        out["bands"] = band_table_to_json(v.bands)
+    return out
 
 
 def report_to_json(report: Report) -> dict[str, Any]:

@@ -111,6 +111,9 @@ class VersionEntry:
     policy: str
     reason: str
     outcome: str
+    # A protocol v2 table whose bands differ: (bound, (k of the unknown band, k of bands
+    # 1..)) per row; ``table`` is then its band-agnostic view (the unknown band's k).
+    bands: tuple[tuple[int | None, tuple[int, ...]], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,8 @@ import math
 from collections.abc import Sequence
 from datetime import datetime, timezone
 
-from tuner.report._model import TEXT_WIDTH, Report, ServerReport
+from tuner.protocol import format_band_table
+from tuner.report._model import TEXT_WIDTH, Report, ServerReport, VersionEntry
 
 
 # Versions listed in the text report (JSON and HTML list all in the window).
@@ -36,6 +37,11 @@ def _pct(x: float | None) -> str:
 
 def _table_str(table: Sequence[tuple[int | None, int]]) -> str:
     return " ".join(f"b<={b}:k{k}" if b is not None else f"rest:k{k}" for b, k in table)
+
+
+def _version_str(v: VersionEntry) -> str:
+    """A version's table; a banded one as ``k3/1,3,3,5`` (unknown band / bands 1..4)."""
+    return format_band_table(v.bands) if v.bands is not None else _table_str(v.table)
 
 
 def _one_line(text: str) -> str:
@@ -74,7 +80,7 @@ def _server_text(s: ServerReport, width: int) -> list[str]:
     if s.table is not None:
         out.append(_clip(
             f"table in effect: v{s.table.version} {s.table.outcome} {_iso(s.table.ts)} "
-            f"({s.table.policy}): {_table_str(s.table.table)}", width))
+            f"({s.table.policy}): {_version_str(s.table)}", width))
     else:
         out.append("no table recorded: 'chosen' below is the best arm by the data")
     if s.metrics_only:
@@ -142,7 +148,7 @@ def _server_text(s: ServerReport, width: int) -> list[str]:
         out.append(f"policy versions ({len(shown)} latest of {len(s.versions)} in the window)")
         for v in shown:
             line = (
-                f"  v{v.version:<5} {_iso(v.ts)} {v.outcome:<8} {_table_str(v.table)}"
+                f"  v{v.version:<5} {_iso(v.ts)} {v.outcome:<8} {_version_str(v)}"
                 f"  {v.policy}: {_one_line(v.reason)}"
             )
             out.append(_clip(line, width))
