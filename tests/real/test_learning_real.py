@@ -124,6 +124,21 @@ def chosen_arm(table, b: int) -> int:
     return next(k for bound, k in table if bound is None or b <= bound)
 
 
+def effective_table(greedy, dynspec: dict) -> list[tuple[int | None, int]]:
+    """The arm the learned table gives each bucket the load fills at the server's live
+    acceptance: the greedy row's arm, or, where the server runs that row with an arm per
+    acceptance band (protocol v2), the arm of the band its estimate is in."""
+    band = (dynspec.get("acceptance") or [0])[0]
+    rows = []
+    for bk in sorted(set(LEVELS.values())):
+        k = chosen_arm(greedy, bk)
+        applied = next(r for r in dynspec["table"] if r[0] is None or bk <= r[0])
+        if band and len(applied) > 2 and applied[1] == k:
+            k = applied[1 + band]
+        rows.append((bk, k))
+    return rows
+
+
 def judge(measured: dict[int, Rounds], table) -> list[dict]:
     """The buckets the load fills (LEVELS): the learned arm against the measured best, by the
     plugin's counters (the verdict) and by CPU seconds (the cross-check)."""
@@ -220,7 +235,7 @@ def test_the_learned_table_matches_the_measured_best_arm(plugin_server, workdir,
             daemon_phase(url, TURNS[alpha])
             mark = len(tuner.log())  # the table of a status line from after the traffic
             wait_for(lambda: _GREEDY.findall(tuner.log()[mark:]), 60, "a status line")
-            tables[alpha] = greedy_table(tuner.log())
+            tables[alpha] = effective_table(greedy_table(tuner.log()), readout(url))
         settled = settled_after(tuner.log(), switched)
     measured[ALPHAS[1]] = measure_arms(learn_server)
     failures = []
