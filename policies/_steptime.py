@@ -62,7 +62,7 @@ DEFAULT_ZERO_ARM_SD = 0.15
 # spread of scales, so the fit can place a curve whose knee it does not know.
 _SATURATION_TOKENS: tuple[float, ...] = (2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0)
 _N_SHARED = 4 + len(_SATURATION_TOKENS)  # non-negative costs; k = 0's own two come last
-_RIDGE = 1e-5
+_RIDGE = 1e-4
 _MAX_SD = 0.5  # posterior spread where nothing is known (log step time)
 _JITTER = 1e-10
 
