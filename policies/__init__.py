@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from policies import _base
 from policies._acceptance import expected_accepted, expected_emitted
-from policies._banded import BandObservation, BandTable
+from policies._banded import BandObservation, BandTable, band_observations
 from policies._base import *  # noqa: F403  (the policy interface, listed in _base)
 from policies._guard import GuardVerdict, guard_check
 from policies._learning import LearnerParams, LearningPolicy
@@ -66,6 +66,7 @@ __all__ = [
     "ThresholdPolicy",
     "UCBParams",
     "UCBPolicy",
+    "band_observations",
     "expected_accepted",
     "expected_emitted",
     "guard_check",

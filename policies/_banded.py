@@ -19,12 +19,13 @@ Protocol rule: a row whose unknown band does not draft drafts in no band either.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from policies._acceptance import expected_accepted
 
-__all__ = ["BandBook", "BandObservation", "BandTable"]
+__all__ = ["BandBook", "BandObservation", "BandTable", "band_observations"]
 
 # Rows of (upper bound, (k of the unknown band, k of band 1, ...)); the last bound None.
 BandTable = tuple[tuple[int | None, tuple[int, ...]], ...]
@@ -54,6 +55,14 @@ class BandObservation:
         if self.accepted_drafts > self.k * self.request_steps:
             return "more accepted drafts than drafted"
         return None
+
+
+def band_observations(rows: Iterable[Any]) -> list[BandObservation]:
+    """Band counter rows (anything with ``band``, ``k``, ``decode_steps``, ``requests`` and
+    ``accepted_drafts``, e.g. ``tuner.protocol.BandCounter`` deltas) as observations: the
+    known bands' drafting only (the unknown band and k = 0 say nothing of a band)."""
+    return [BandObservation(r.band, r.k, r.decode_steps, r.requests, r.accepted_drafts)
+            for r in rows if r.band > 0 and r.k > 0]
 
 
 class BandBook:

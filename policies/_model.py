@@ -345,7 +345,7 @@ class ModelPolicy(LearningPolicy):
         for per_arm in self._time:
             for t in per_arm.values():
                 if t.n > 1:
-                    resid += max(t.q - t.s * t.s / t.w, 0.0)
+                    resid += t.resid
                     dof += t.n - 1.0
         jitter = max(p.timing_sd, math.sqrt(resid / dof) if dof >= 2 else 0.0)
         cells = [

@@ -69,15 +69,19 @@ class ArmStats:
     def mean_b(self) -> float:
         return self.wb / self.w if self.w > 0 else float("nan")
 
+    @property
+    def resid(self) -> float:
+        """Weighted squared residuals of the observations about their mean."""
+        return max(self.q - self.s * self.s / self.w, 0.0) if self.w > 0 else 0.0
+
     def step_sd(self, prior_sd: float, prior_obs: float) -> float:
         """Standard deviation of one decode step's reward, shrunk towards ``prior_sd``.
 
         An observation aggregating ``m`` steps has variance ``sd**2 / m``, so the weighted
         squared residuals estimate ``(n - 1) * sd**2``.
         """
-        resid = max(self.q - self.s * self.s / self.w, 0.0) if self.w > 0 else 0.0
         dof = max(self.n - 1.0, 0.0)
-        return math.sqrt((prior_obs * prior_sd * prior_sd + resid) / (prior_obs + dof))
+        return math.sqrt((prior_obs * prior_sd * prior_sd + self.resid) / (prior_obs + dof))
 
     def mean_sd(self, prior_sd: float, prior_obs: float) -> float:
         """Posterior standard deviation of :attr:`mean` (infinite when unseen)."""

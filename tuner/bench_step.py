@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from policies import BandObservation, BasePolicy
+from policies import BasePolicy, band_observations
 from tuner.protocol import (
     BAND_EDGES,
     BandCounter,
@@ -48,10 +48,8 @@ class BandFeed:
 
     def read(self, bands: tuple[BandCounter, ...]) -> None:
         if self.on:  # the engine never restarts, so its counters never go backwards
-            for d in band_counter_deltas(self._prev, bands) or ():
-                if d.band > 0 and d.k > 0:
-                    self.pol.update_bands(BandObservation(
-                        d.band, d.k, d.decode_steps, d.requests, d.accepted_drafts))
+            for obs in band_observations(band_counter_deltas(self._prev, bands) or ()):
+                self.pol.update_bands(obs)
         self._prev = bands
 
     def propose(self) -> Any:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import math
 
-from policies import BandObservation, Buckets, Observation, sum_by_arm
+from policies import Buckets, Observation, band_observations, sum_by_arm
 from storage import ServerSeen
 from tuner.config import TunerConfig
 from tuner.daemon._book import _model_of, _PoolPolicy
@@ -210,10 +210,7 @@ class _Session:
             # missed; they are dropped, never fed across it.
             bands.extend(band_counter_deltas(p.bands, s.bands) or ())
         srv.rejected_seen = [s.updates_rejected for s in states]
-        srv.band_obs = [
-            BandObservation(c.band, c.k, c.decode_steps, c.requests, c.accepted_drafts)
-            for c in bands if c.band > 0 and c.k > 0
-        ] if srv.bands else []
+        srv.band_obs = band_observations(bands) if srv.bands else []
         return sum_by_arm(new)
 
     def _restart(self, srv: _Server, now: float, detail: str) -> None:
