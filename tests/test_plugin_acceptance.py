@@ -57,6 +57,28 @@ def test_trials_count_the_positions_a_chain_reached():
     assert (other.successes, other.trials, other.band) == (5, 7, est.band)
 
 
+@pytest.mark.parametrize("alpha", [0.3, 0.6, 0.9])
+def test_large_batches_take_the_uncounted_full_chains_at_their_expectation(alpha):
+    """Above FULL_SAMPLE requests the hook passes no count of full chains; the estimate
+    takes their expectation under itself, and still finds alpha (from the totals alone)."""
+    for k in (1, 3, 7):
+        rng = random.Random(11)
+        est = AcceptanceEstimate(decay=0.999)
+        for _ in range(600):
+            acc = [chain(rng, alpha, k) for _ in range(64)]
+            est.observe_totals(k, requests=64, accepted=sum(acc))
+        assert abs(est.alpha - alpha) < 0.03, (k, est.alpha)
+    # Before any estimate it starts from the per-drafted ratio, and takes none or all as
+    # they are.
+    first = AcceptanceEstimate(decay=0.0)
+    first.observe_totals(2, requests=40, accepted=40)  # ratio 1/2: 40 * 0.25 = 10 full
+    assert (first.successes, first.trials) == (40, 70)
+    for accepted, trials in ((0, 40), (80, 80)):
+        edge = AcceptanceEstimate(decay=0.0)
+        edge.observe_totals(2, requests=40, accepted=accepted)
+        assert edge.trials == trials
+
+
 def test_a_step_counts_in_the_band_before_its_own_result():
     est = AcceptanceEstimate(decay=0.0)
     assert est.observe(3, [3, 3]) == UNKNOWN_BAND  # first evidence: the step saw none

@@ -413,9 +413,9 @@ def decode_step_fn(core: PluginCore, *, record: bool) -> Callable[[Any, Any], No
         accepted = result.num_correct_drafts
         per_req = result.num_correct_drafts_per_req_cpu
         # SGLang summed the list into num_correct_drafts already; what is left is how many
-        # requests accepted every draft, counted exactly up to FULL_SAMPLE requests and
-        # scaled from the first FULL_SAMPLE above (deterministic: the same on every rank;
-        # keeps the hook's cost flat in the batch size).
+        # requests accepted every draft, counted exactly up to FULL_SAMPLE requests; above,
+        # the estimate takes its expectation (AcceptanceEstimate.observe_totals), which keeps
+        # the hook's cost flat in the batch size.
         if per_req is None:
             band = estimate.band
         elif not accepted or accepted == b * k:  # none or all accepted every draft: no count
@@ -423,7 +423,7 @@ def decode_step_fn(core: PluginCore, *, record: bool) -> Callable[[Any, Any], No
         elif b <= sample:
             band = observe(k, b, accepted, per_req.count(k))
         else:
-            band = observe(k, b, accepted, per_req[:sample].count(k) * b / sample)
+            band = observe(k, b, accepted)
         if record:
             launch_ts = batch.launch_ts
             forward_iter = batch.forward_iter

@@ -89,18 +89,34 @@ class AcceptanceEstimate:
         return band
 
     def observe_totals(
-        self, k: int, requests: int, accepted: int, full: float,
+        self, k: int, requests: int, accepted: int, full: float | None = None,
         _band: Callable[[Sequence[float], float], int] = bisect_right,
         _edges: tuple[float, ...] = BAND_EDGES,
     ) -> int:
         """As :meth:`observe` from totals: ``accepted`` drafts over ``requests`` requests,
-        ``full`` of which accepted all ``k`` (for callers that keep no per-request list; the
-        plugin passes an estimate of ``full`` on large batches)."""
+        ``full`` of which accepted all ``k`` (for callers that keep no per-request list).
+
+        ``full`` None: not counted (the plugin counts it only on batches of up to
+        ``FULL_SAMPLE`` requests, since a count over the whole list is the largest part of
+        the per-step cost on large batches). It is then taken at its expectation
+        ``requests * alpha**k`` under the estimate so far (the per-drafted ratio before
+        there is one), an EM step whose fixed point is the maximum-likelihood alpha given
+        the batch's total; deterministic, so every TP rank takes the same value.
+        """
         band = self.band
         if k <= 0 or requests <= 0:
             return self.observe(0, ())
         self.idle_steps = 0
         decay = self.decay
+        if full is None:
+            if accepted <= 0:
+                full = 0
+            elif accepted >= requests * k:
+                full = requests
+            else:
+                alpha = (self.successes / self.trials if self.trials > 0.0
+                         else accepted / (requests * k))
+                full = requests * alpha**k
         self.successes = succ = self.successes * decay + accepted
         self.trials = trials = self.trials * decay + accepted + requests - full
         self.band = 1 + _band(_edges, succ / trials)

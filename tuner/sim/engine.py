@@ -195,7 +195,7 @@ class Engine:
         self._next_rid = 0
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # aligned with self._rows
-        self._pending: tuple[int, int, int, int, float, int, bool, float] | None = None
+        self._pending: tuple[int, int, int, int, float, int, bool, float | None] | None = None
         self._log = RequestLog()
         self._load: Load = NoLoad()
         self._load_next = math.inf
@@ -367,19 +367,16 @@ class Engine:
         self._flush()
         rows = self._rows
         self.step_oracle.step(rows, n, pb, k, dt)
-        full: float = 0
+        full: float | None = 0
         if k > 0:
             # Per-request accepted drafts as plain ints (cheaper than numpy calls at the
             # usual batch sizes), as the plugin's hook gets SGLang's list.
             acc = rows.draft_step(n, k).tolist()
             accepted = sum(acc)
-            # Requests that accepted every draft, counted as the plugin's decode hook counts
-            # them (tuner.plugin._sglang.decode_step_fn): exactly up to FULL_SAMPLE requests,
-            # scaled from the first FULL_SAMPLE above.
-            if n <= FULL_SAMPLE:
-                full = acc.count(k)
-            else:
-                full = acc[:FULL_SAMPLE].count(k) * n / FULL_SAMPLE
+            # Requests that accepted every draft, as the plugin's decode hook counts them
+            # (tuner.plugin._sglang.decode_step_fn): exactly up to FULL_SAMPLE requests,
+            # above that left to the estimate (None).
+            full = acc.count(k) if n <= FULL_SAMPLE else None
         else:
             accepted = 0
             rows.plain_step(n, self.skip_zero_draft_extend)
