@@ -5,6 +5,7 @@
 - :class:`Tuner`: ``dynspec-tuner`` run as its own process from the project's venv
   (``DYNSPEC_REAL_CLIENT``), as it runs beside a production server.
 - counter helpers: per-``(b, k)`` deltas of the plugin's readout and pinned-arm goodput.
+- :func:`set_acceptance`: the acceptance knob, set at run time.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from _server import VOCAB, http, readout
+from _server import VOCAB, acceptance_threshold, http, readout
 
 from tuner.protocol import CounterRow, DynspecState, encode_update
 
@@ -31,6 +32,7 @@ __all__ = [
     "push",
     "pushed_versions",
     "run_client",
+    "set_acceptance",
     "tuner_args",
     "watch_versions",
 ]
@@ -166,3 +168,13 @@ def pin(url: str, k: int, key: str | None = None) -> None:
     status, reply = push(url, ((None, k),), version, key)
     if status != 200 or reply != [True]:
         raise AssertionError(f"pinning k={k} refused: {status} {reply}")
+
+
+def set_acceptance(url: str, alpha: float, key: str | None = None) -> None:
+    """Set the server's per-position acceptance at run time (SGLang's own
+    ``speculative_accept_threshold_acc``: see ``_server.acceptance_threshold``)."""
+    status, reply = http(url, "/set_internal_state", {
+        "server_args": {"speculative_accept_threshold_acc": acceptance_threshold(alpha)}},
+        key=key)  # fmt: skip
+    if status != 200 or reply != [True]:
+        raise AssertionError(f"setting acceptance {alpha} refused: {status} {reply}")
