@@ -220,7 +220,8 @@ def test_the_oracle_arm_scores_100_in_every_phase_of_a_world_despite_noise_and_d
     index, best
 ):
     # Worlds 44 (horizon shape) and 42 (13 % noise, drifting acceptance) of seed 0 have one
-    # best arm at every batch size: running it must be the oracle, exactly.
+    # best arm at every batch size: running it must be the oracle, to float rounding (another
+    # CPU gave 99.99999999999999).
     from tuner.bench import run_one
 
     world = make_world(index, 0)
@@ -228,7 +229,7 @@ def test_the_oracle_arm_scores_100_in_every_phase_of_a_world_despite_noise_and_d
               world=world)
     top = run_one(policy=f"always:k={best}", **kw)
     never = run_one(policy="never", **kw)
-    assert [ph.pct_oracle_all for ph in top.phases] == [100.0, 100.0]
+    assert [ph.pct_oracle_all for ph in top.phases] == pytest.approx([100.0, 100.0], abs=1e-9)
     assert all(ph.pct_oracle_all < 95.0 for ph in never.phases)
 
 
