@@ -4,10 +4,13 @@ Builds a SQLite history with N observations (default 1,000,000) of one server ov
 plus a policy version every 30 s and a few events, by bulk insert through Storage.record_tick.
 Then times, in the same run:
 
-- baselines: ``SELECT COUNT(*)`` and one full pass over the observations
-  (``SELECT SUM(emitted_tokens), SUM(busy_s)``), the least any report can cost;
-- the report: ``build_report`` (one grouped SQL query with sums and squares, the fold,
-  versions, events) and each renderer, plots included (what ``report --format html`` does).
+- baselines: ``SELECT COUNT(*)``, one full pass over the observations
+  (``SELECT SUM(emitted_tokens), SUM(busy_s)``), the least any report can cost, and the
+  grouped query ``Storage.moments`` ran on SQLite before its covering index (sums and
+  squares ``GROUP BY server, time bin, b, k``, all rows through SQLite's sorter);
+- the report: ``build_report`` (the time-binned sums and squares, the fold, versions,
+  events, the gains) and each renderer, plots included (what ``report --format html``
+  does), with ``Storage.moments`` alone beside it.
 
 Usage: .venv/bin/python benchmarks/report_speed.py [--rows N] [--db PATH] [--keep]
 """
@@ -15,6 +18,7 @@ Usage: .venv/bin/python benchmarks/report_speed.py [--rows N] [--db PATH] [--kee
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import tempfile
@@ -25,6 +29,7 @@ from sqlalchemy import create_engine, text
 
 from storage import EventRecord, ObservationRecord, PolicyVersionRecord, ServerSeen, Storage
 from tuner.report import build_report, make_plots, render_html, render_json, render_text
+from tuner.report._model import DEFAULT_TIME_BINS
 
 SERVER = "10.0.0.7:30000"
 ARMS = (0, 1, 3, 5)
@@ -68,6 +73,17 @@ def build(url: str, rows: int, *, seed: int = 0) -> float:
 
 CPU = {"s": 0.0}
 
+# What Storage.moments ran on SQLite before it read the covering index (storage._binned).
+_GROUPED = """
+SELECT server_id, CAST((ts - :origin) / :bin_s + 1073741824 AS INTEGER) - 1073741824 AS bin,
+       b, k, SUM(n_intervals), SUM(decode_steps), SUM(emitted_tokens), SUM(accepted_drafts),
+       SUM(drafted_tokens), SUM(busy_s),
+       SUM(COALESCE(emitted_sq, CAST(emitted_tokens AS REAL) * emitted_tokens)),
+       SUM(COALESCE(emitted_busy, CAST(emitted_tokens AS REAL) * busy_s)),
+       SUM(COALESCE(busy_sq, busy_s * busy_s)), MIN(ts), MAX(ts)
+FROM observations NOT INDEXED GROUP BY server_id, bin, b, k
+"""
+
 
 def timed(fn):  # -> (wall seconds, result); CPU seconds add up in CPU["s"]
     cpu, start = time.process_time(), time.perf_counter()
@@ -97,11 +113,22 @@ def main(argv: list[str] | None = None) -> int:
         t_count, n = timed(lambda: c.execute(text("SELECT COUNT(*) FROM observations")).scalar())
         t_scan, _ = timed(lambda: c.execute(
             text("SELECT SUM(emitted_tokens), SUM(busy_s) FROM observations")).first())
+        first, last = c.execute(text("SELECT MIN(ts), MAX(ts) FROM observations")).first()
+        t_grouped, groups = timed(lambda: c.execute(text(_GROUPED), {
+            "origin": first, "bin_s": (last - first) / DEFAULT_TIME_BINS * (1 + 1e-9),
+        }).all())
     engine.dispose()
 
     CPU["s"] = 0.0
     with Storage(url, read_only=True) as st:
         t_build, report = timed(lambda: build_report(st))
+        cpu_report = CPU["s"]
+        span = st.observation_span()
+        assert span is not None
+        t_moments, moments = timed(lambda: st.moments(
+            bin_s=(span[1] - span[0]) / DEFAULT_TIME_BINS * (1 + 1e-9), origin=span[0]))
+        assert len(moments) == len(groups), (len(moments), len(groups))
+    CPU["s"] = cpu_report
     (s,) = report.servers
     assert s.observations == n, (s.observations, n)
     t_text, _ = timed(lambda: render_text(report))
@@ -111,11 +138,16 @@ def main(argv: list[str] | None = None) -> int:
     total = t_build + t_plots + t_html
     cpu = CPU["s"]
 
-    print(f"observations: {n:,}   versions: {len(s.versions):,}   events: {len(s.events)}")
+    print(f"observations: {n:,}   versions: {len(s.versions):,}   events: {len(s.events)}   "
+          f"load average: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print(f"baseline COUNT(*):                 {t_count:7.3f} s")
     print(f"baseline one full scan (2 SUMs):   {t_scan:7.3f} s")
-    print(f"build_report (SQL + fold):         {t_build:7.3f} s  = {t_build / t_scan:5.1f} x "
+    print(f"baseline grouped query (sorted):   {t_grouped:7.3f} s  = {t_grouped / t_scan:5.1f} x "
           "the full scan")
+    print(f"build_report (SQL + fold + gains): {t_build:7.3f} s  = {t_build / t_scan:5.1f} x "
+          "the full scan")
+    print(f"  Storage.moments alone:           {t_moments:7.3f} s  = {t_moments / t_scan:5.1f} x "
+          f"the full scan, {t_moments / t_grouped:.2f} x the grouped query")
     print(f"render text / json:                {t_text:7.3f} s / {t_json:.3f} s")
     print(f"plots (3 PNG) + html:              {t_plots + t_html:7.3f} s")
     print(f"report --format html end to end:   {total:7.3f} s  = {total / t_scan:5.1f} x the "

@@ -8,6 +8,7 @@ from typing import Any
 
 from sqlalchemy import Integer, cast, func, select
 
+from storage._binned import binned_moments, has_covering_index
 from storage._engine import StorageCore
 from storage._models import EventModel, ObservationModel, PolicyVersionModel, ServerModel
 from storage._records import (
@@ -23,6 +24,7 @@ from storage._sql import (
     in_window,
     obs_query,
     row_moments,
+    server_spans,
     time_bin,
     version_record,
 )
@@ -107,9 +109,11 @@ class QueriesMixin(StorageCore):
         until: float | None = None,
     ) -> tuple[float, float] | None:
         """``(first ts, last ts)`` of the stored observations in the window, None if none."""
-        o = ObservationModel
-        q = _of_server(select(func.min(o.ts), func.max(o.ts)), server)
-        q = in_window(q, o.ts, since, until)
+        spans = server_spans(since, until)
+        if server is not None:
+            spans = spans.where(ServerModel.address == server)
+        spans = spans.subquery()
+        q = select(func.min(spans.c.first), func.max(spans.c.last))
         with self._session_scope("reading the observation time span") as s:
             row = s.execute(q).first()
         if row is None or row[0] is None:
@@ -160,6 +164,14 @@ class QueriesMixin(StorageCore):
         q = in_window(q, o.ts, since, until)
         with self._session_scope("aggregating observation moments") as s:
             names = dict(s.execute(select(ServerModel.id, ServerModel.address)).all())
+            rows: Any = None
+            if (bin_s is not None and self._v2 and self._engine.dialect.name == "sqlite"
+                    and has_covering_index(s)):
+                ids = sorted(i for i, a in names.items() if server is None or a == server)
+                rows = binned_moments(s, ids, since=since, until=until, bin_s=bin_s,
+                                      origin=origin)
+            if rows is None:
+                rows = s.execute(q)
             out = [
                 ObservationMoments(
                     server=names[r[0]],
@@ -174,7 +186,7 @@ class QueriesMixin(StorageCore):
                     first_ts=float(r[13]),
                     last_ts=float(r[14]),
                 )
-                for r in s.execute(q)
+                for r in rows
             ]
         out.sort(key=lambda m: (m.server, m.bin, m.b, m.k))
         return out

@@ -18,6 +18,7 @@ __all__ = [
     "in_window",
     "obs_query",
     "row_moments",
+    "server_spans",
     "time_bin",
     "version_record",
 ]
@@ -89,6 +90,19 @@ def in_window(q: Any, ts: Any, since: float | None, until: float | None) -> Any:
     if until is not None:
         q = q.where(ts < until)
     return q
+
+
+def server_spans(since: float | None, until: float | None) -> Any:
+    """SQL for ``(server id, first ts, last ts)`` of each server's observations in the window
+    (NULLs for a server without any): two seeks per server on the ``(server_id, ts)``
+    index, where ``MIN(ts)`` over the whole table would read every row."""
+    o = ObservationModel
+
+    def edge(fn: Any) -> Any:
+        q = in_window(select(fn(o.ts)).where(o.server_id == ServerModel.id), o.ts, since, until)
+        return q.scalar_subquery().correlate(ServerModel)
+
+    return select(ServerModel.id, edge(func.min).label("first"), edge(func.max).label("last"))
 
 
 def obs_query(
