@@ -18,8 +18,7 @@ alone (no change: the policy has had the new world from the start).
 Policies: ``model`` (the default, fed band counters and proposing banded tables, as the
 daemon drives a protocol v2 server) and ``model-v1``, the same policy driven as for a v1
 plugin (band-agnostic tables: registered here, in this process only, as the model policy
-without ``set_bands``). ``--policies model-bandmem`` adds an experiment (not the shipped
-policy): per-band acceptance that also forgets within 30 busy seconds.
+without ``set_bands``).
 
 ``--diagnose PROFILE:C:SEED`` traces one shift run around a change: per window the bands the
 plugin's live estimate put the steps in, the arm run and the step's best arm, the table row,
@@ -54,7 +53,7 @@ from tuner.bench_config import DEFAULT_BENCH_PROFILES  # noqa: E402
 from tuner.sim._step_oracle import StepOracle  # noqa: E402
 from tuner.sim.engine import Engine  # noqa: E402
 
-V2, V1, BANDMEM = "model", "model-v1", "model-bandmem"
+V2, V1 = "model", "model-v1"
 # Post-change workload of each change of ``shift`` (chat -> code -> hard).
 AFTER = {1: "code", 2: "hard"}
 
@@ -67,38 +66,9 @@ class BandAgnosticModel(ModelPolicy):
     set_bands = None  # type: ignore[assignment]
 
 
-class BandMemoryModel(ModelPolicy):
-    """Experiment, not the shipped policy: the model policy whose per-band acceptance also
-    forgets with its acceptance's busy-seconds memory (``acceptance_memory_s``, 30 s), as
-    its band-agnostic acceptance does; the shipped band book forgets per request-step only
-    (100,000 of them). Reads the policy's private state, so it may need updating when the
-    policy changes."""
-
-    name = BANDMEM
-
-    def __init__(self, **kw: Any) -> None:
-        super().__init__(**kw)
-        self._band_busy = 0.0  # drafting busy seconds not yet aged into the band book
-
-    def _observed(self, j: int, obs: Any, r: float, weight: float) -> None:
-        super()._observed(j, obs, r, weight)
-        if obs.k > 0:
-            self._band_busy += obs.busy_s
-
-    def update_bands(self, obs: Any) -> bool:
-        if self._bands is None:
-            return False
-        f = self._acc_gamma_rs ** max(obs.request_steps, 0) * math.exp(
-            -self._band_busy / self.params.acceptance_memory_s)
-        self._band_busy = 0.0
-        return self._bands.update(obs, f)
-
-
 def register_policies() -> None:
-    """Make ``model-v1`` (and the experiment ``model-bandmem``) policy names, in this process
-    only (a run's worker calls it too)."""
+    """Make ``model-v1`` a policy name, in this process only (a run's worker calls it too)."""
     POLICIES.setdefault(V1, BandAgnosticModel)
-    POLICIES.setdefault(BANDMEM, BandMemoryModel)
 
 
 # --- runs ---------------------------------------------------------------------------------
@@ -115,7 +85,7 @@ def windowed_load(c: int, total_s: float, window_s: float) -> str:
 def run_windows(job: dict[str, Any]) -> dict[str, Any]:
     """One run: per window its start, decode-busy seconds and expected tokens of the policy,
     the per-bucket oracle and the per-step oracle."""
-    if job["policy"] in (V1, BANDMEM):
+    if job["policy"] == V1:
         register_policies()
     r = bench.run_one(profile=job["profile"], workload=job["workload"],
                       load=windowed_load(job["c"], 3 * job["phase_s"], job["window_s"]),

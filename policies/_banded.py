@@ -12,8 +12,10 @@ else a chain through the arms it has run, shrunk towards the band's middle. One 
 evidence serves every bucket, as the policy's acceptance already does.
 
 A band's arm departs from its row's only on the row's greedy arm (an exploring row explores
-in every band), and by more than the switch margin.
-Protocol rule: a row whose unknown band does not draft drafts in no band either.
+in every band), and by more than the switch margin. That holds where the row is off too: a
+band of high acceptance may draft in a row that does not. The protocol then wants the
+row's unknown band to draft (``ModelPolicy._banded`` gives it the shallowest arm a band
+drafts), so a stale estimate measures again instead of locking speculation off.
 """
 
 from __future__ import annotations
@@ -131,9 +133,6 @@ class BandBook:
         out = []
         for band in range(1, self.bands + 1):
             em, _ = self.emitted(band)
-            if row_arm == 0:  # the protocol: no band drafts where the unknown band does not
-                out.append(row_arm)
-                continue
             value = {k: math.log(em[k]) - lt for k, lt in zip(self.arms, log_t, strict=True)}
             best = max(self.arms, key=lambda k: (value[k], -k))
             out.append(best if value[best] > value[row_arm] + margin else row_arm)

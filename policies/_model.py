@@ -172,6 +172,7 @@ class ModelPolicy(LearningPolicy):
         # k = 0 was never tried there.
         self._cost_k = {k: k for k in self.arms}
         self._bands: BandBook | None = None  # acceptance per band, once set_bands is called
+        self._band_busy = 0.0  # drafting busy seconds not yet aged into the band book
 
     def set_verify_tokens(self, tokens: Mapping[int, int]) -> None:
         super().set_verify_tokens(tokens)
@@ -189,7 +190,13 @@ class ModelPolicy(LearningPolicy):
         """Feed one band's drafting; False if unusable or bands are not set."""
         if self._bands is None:
             return False
-        return self._bands.update(obs, self._acc_gamma_rs ** max(obs.request_steps, 0))
+        # Per request-step, as the pooled acceptance, and per drafting busy second since the
+        # last band update: after a workload change a band must not hold the old world's
+        # acceptance for minutes of light traffic.
+        f = self._acc_gamma_rs ** max(obs.request_steps, 0) * math.exp(
+            -self._band_busy / self.params.acceptance_memory_s)
+        self._band_busy = 0.0
+        return self._bands.update(obs, f)
 
     def propose_bands(self) -> BandTable | None:
         """:meth:`propose`, with an arm per band wherever a row runs its greedy arm (None,
@@ -208,9 +215,17 @@ class ModelPolicy(LearningPolicy):
     def _banded(self, arms: Sequence[int], greedy: Sequence[int]) -> BandTable:
         assert self._bands is not None
         t, margin, n = self._components()[0], self.params.switch_margin, self._bands.bands
-        rows = [(arm, *(self._bands.arms_for(arm, [float(x) for x in t.mean[j]], margin)
-                        if arm == greedy[j] else (arm,) * n))
-                for j, arm in enumerate(arms)]
+        rows: list[tuple[int, ...]] = []
+        for j, arm in enumerate(arms):
+            if arm != greedy[j]:  # an exploring row explores in every band
+                rows.append((arm,) * (n + 1))
+                continue
+            bands = self._bands.arms_for(arm, [float(x) for x in t.mean[j]], margin)
+            drafting = [k for k in bands if k > 0]
+            # Protocol rule: where a band drafts the unknown band drafts too (its shallowest
+            # arm), so a band that says "off" is measured again once its estimate is stale.
+            unknown = min(drafting) if arm == 0 and drafting else arm
+            rows.append((unknown, *bands))
         return band_table([self.buckets.bounds(j)[1] for j in range(len(arms))], rows)
 
     # --- learning -------------------------------------------------------------------------
@@ -222,6 +237,8 @@ class ModelPolicy(LearningPolicy):
             t.decay(factor)
         self._time[j][obs.k].add(math.log(obs.busy_s / s), weight, weight / s, obs.b, s)
         self._busy[j] += obs.busy_s
+        if obs.k > 0:
+            self._band_busy += obs.busy_s
         occ = self._occ[j]
         occ[0] = occ[0] * factor + s
         occ[1] = occ[1] * factor + s * obs.b

@@ -6,6 +6,7 @@ import pytest
 
 from policies import BandObservation, Buckets, ModelPolicy, Observation, make_policy
 from policies._banded import BandBook, band_table
+from tuner.protocol import validate_band_table
 
 ARMS = (0, 1, 3, 5)
 EDGES = (0.55, 0.70, 0.85)
@@ -58,19 +59,64 @@ def test_without_bands_set_nothing_is_banded():
     assert not p.update_bands(BandObservation(1, 3, 10, 10, 5))
 
 
-def test_a_row_that_does_not_draft_drafts_in_no_band():
-    # The protocol refuses a row whose unknown band is off while a known band drafts.
+def test_band_arms_stand_on_their_own_evidence_whatever_the_row_arm():
     book = BandBook(EDGES, ARMS, 0.973)
-    assert book.update(BandObservation(4, 3, 500, 500, 1400), 1.0)
-    assert book.arms_for(0, [0.0, 0.0, 0.0, 0.0], 0.0) == (0, 0, 0, 0)
-    assert book.arms_for(1, [0.0, 0.0, 0.0, 0.0], 0.0)[3] == 5
+    assert book.update(BandObservation(4, 3, 500, 500, 1400), 1.0)  # 2.8 of 3 accepted
+    log_t = [0.0, 0.5, 1.0, 1.5]  # each draft token dearer: only high acceptance pays
+    off, on = book.arms_for(0, log_t, 0.0), book.arms_for(1, log_t, 0.0)
+    assert off[0] == 0 and off[3] > 0  # the band of low acceptance stays off, the high drafts
+    assert off[3] == on[3]  # the same evidence, the same arm, whatever the row runs
+
+
+def cheap_drafts_low_acceptance() -> ModelPolicy:
+    """Every arm measured at 1 and 16 requests, drafts cheap but rarely accepted (0.1 per
+    position): the greedy table is off."""
+    p = make_policy("model", arms=ARMS, seed=0)
+    assert isinstance(p, ModelPolicy)
+    p.set_bands(EDGES)
+    acc = {0: 0.0, 1: 0.1, 3: 0.111, 5: 0.111}
+    for _ in range(4):
+        for b in (1, 16):
+            for k in ARMS:
+                n, a = 200, round(acc[k] * b * 200)
+                busy = n * (10 + 0.2 * b + k * (1 + 0.1 * b)) / 1000
+                p.update(Observation(b, k, n, b * n + a, a, k * b * n, busy))
+    return p
+
+
+def test_a_row_that_does_not_draft_drafts_in_a_band_of_high_acceptance():
+    p = cheap_drafts_low_acceptance()
+    j = Buckets().index(16)
+    assert p.greedy_arms()[j] == 0
+    feed_band(p, 1, 1, 0.1)
+    feed_band(p, 4, 3, 0.95)  # requests that accept nearly all: drafting pays even here
+    table = p.greedy_bands()
+    assert table is not None
+    ks = next(ks for bound, ks in table if bound is None or bound >= 16)
+    assert ks[1] == 0 and ks[4] > 0
+    # The protocol's rule: the unknown band drafts where a band does (its shallowest arm),
+    # so a stale "off" band is measured again; the server accepts the table.
+    assert ks[0] == min(k for k in ks[1:] if k > 0)
+    assert validate_band_table([[bound, *ks] for bound, ks in table], ARMS) == table
+
+
+def test_band_acceptance_forgets_with_drafting_busy_seconds():
+    p = trained()
+    feed_band(p, 4, 3, 0.95)
+    high = p._bands.emitted(4)[0][3]
+    # Minutes of drafting later (8x the 30 s acceptance memory), the band accepts little.
+    for _ in range(10):
+        p.update(Observation(1, 1, 2000, 2000 + 1200, 1200, 2000, 2000 * step_s(1, 1)))
+    feed_band(p, 4, 3, 0.3)
+    low = p._bands.emitted(4)[0][3]
+    assert high > 3.5 and low < 1.5, (high, low)  # the old evidence is gone, not averaged in
 
 
 def test_an_exploring_row_explores_in_every_band():
     p = trained()
     feed_band(p, 4, 3, 0.95)
     greedy = p.greedy_arms()
-    explore = [3 if g == 1 else g for g in greedy]
+    explore = [1 if g == 3 else 3 for g in greedy]
     rows = p._banded(explore, greedy)
     assert all(ks == (ks[0],) * len(ks) for _, ks in rows)
 
