@@ -195,8 +195,10 @@ class ModelPolicy(LearningPolicy):
         # acceptance for minutes of light traffic.
         f = self._acc_gamma_rs ** max(obs.request_steps, 0) * math.exp(
             -self._band_busy / self.params.acceptance_memory_s)
+        if not self._bands.update(obs, f):
+            return False  # refused, nothing aged: the busy seconds wait for the next one
         self._band_busy = 0.0
-        return self._bands.update(obs, f)
+        return True
 
     def propose_bands(self) -> BandTable | None:
         """:meth:`propose`, with an arm per band wherever a row runs its greedy arm (None,

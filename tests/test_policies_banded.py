@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from policies import BandObservation, Buckets, ModelPolicy, Observation, make_policy
@@ -16,18 +18,22 @@ def step_s(b: int, k: int) -> float:
     return (10 + 0.2 * b + k * (2 + 0.3 * b)) / 1000
 
 
-def trained(seed: int = 0) -> ModelPolicy:
-    """Every arm measured at 1 and 16 requests at a mid acceptance (0.6 per position)."""
+MID_ACCEPTANCE = {0: 0.0, 1: 0.6, 3: 1.18, 5: 1.4}  # accepted drafts per request-step
+
+
+def trained(seed: int = 0, acc: dict[int, float] = MID_ACCEPTANCE,
+            step: Callable[[int, int], float] = step_s) -> ModelPolicy:
+    """Every arm measured at 1 and 16 requests: by default at a mid acceptance (0.6 per
+    position) with ``step_s``'s step times."""
     p = make_policy("model", arms=ARMS, seed=seed)
     assert isinstance(p, ModelPolicy)
     p.set_bands(EDGES)
-    acc = {0: 0.0, 1: 0.6, 3: 1.18, 5: 1.4}
     for _ in range(4):
         for b in (1, 16):
             for k in ARMS:
                 n = 200
                 a = round(acc[k] * b * n)
-                p.update(Observation(b, k, n, b * n + a, a, k * b * n, n * step_s(b, k)))
+                p.update(Observation(b, k, n, b * n + a, a, k * b * n, n * step(b, k)))
     return p
 
 
@@ -69,19 +75,9 @@ def test_band_arms_stand_on_their_own_evidence_whatever_the_row_arm():
 
 
 def cheap_drafts_low_acceptance() -> ModelPolicy:
-    """Every arm measured at 1 and 16 requests, drafts cheap but rarely accepted (0.1 per
-    position): the greedy table is off."""
-    p = make_policy("model", arms=ARMS, seed=0)
-    assert isinstance(p, ModelPolicy)
-    p.set_bands(EDGES)
-    acc = {0: 0.0, 1: 0.1, 3: 0.111, 5: 0.111}
-    for _ in range(4):
-        for b in (1, 16):
-            for k in ARMS:
-                n, a = 200, round(acc[k] * b * 200)
-                busy = n * (10 + 0.2 * b + k * (1 + 0.1 * b)) / 1000
-                p.update(Observation(b, k, n, b * n + a, a, k * b * n, busy))
-    return p
+    """Drafts cheap but rarely accepted (0.1 per position): the greedy table is off."""
+    return trained(acc={0: 0.0, 1: 0.1, 3: 0.111, 5: 0.111},
+                   step=lambda b, k: (10 + 0.2 * b + k * (1 + 0.1 * b)) / 1000)
 
 
 def test_a_row_that_does_not_draft_drafts_in_a_band_of_high_acceptance():
@@ -107,6 +103,8 @@ def test_band_acceptance_forgets_with_drafting_busy_seconds():
     # Minutes of drafting later (8x the 30 s acceptance memory), the band accepts little.
     for _ in range(10):
         p.update(Observation(1, 1, 2000, 2000 + 1200, 1200, 2000, 2000 * step_s(1, 1)))
+    # A refused band reading ages nothing and loses none of those seconds.
+    assert not p.update_bands(BandObservation(4, 3, 10, 10, 31))
     feed_band(p, 4, 3, 0.3)
     low = p._bands.emitted(4)[0][3]
     assert high > 3.5 and low < 1.5, (high, low)  # the old evidence is gone, not averaged in

@@ -378,14 +378,16 @@ def readout(url: str, key: str | None = None) -> dict:
     return info["internal_states"][0]["dynspec"]
 
 
-def wait_for(predicate, timeout_s: float, what: str, step_s: float = 0.5):
-    """Poll ``predicate()`` until truthy (returned) or raise naming ``what``: a real server's
-    state changes in real time, so this is the one place the tier waits on the clock."""
+def wait_for(predicate, timeout_s: float, what: str, step_s: float = 0.5, seen=None):
+    """Poll ``predicate()`` until truthy (returned) or raise naming ``what`` (and what
+    ``seen()`` says was there instead, if given): a real server's state changes in real
+    time, so this is the one place the tier waits on the clock."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+            got = f": {seen()}" if seen is not None else ""
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}{got}")
         time.sleep(step_s)

@@ -316,14 +316,12 @@ def test_the_daemon_switches_the_seed_tree_and_tokens_stay_identical(serve, refe
     args = tuner_args(serve(SEED_TREE), workdir / "tree.db", "--policy", "thompson")
     with Tuner(args, workdir / "tree.log") as tuner:
         try:
-            try:
-                wait_for(lambda: errors or (len(pushed_versions(tuner.log())) >= 2
-                                            and len(rounds) >= 2),
-                         420, "two pushes by the daemon and two rounds of traffic")
-            except AssertionError as exc:
-                raise AssertionError(
-                    f"{exc}: {len(pushed_versions(tuner.log()))} pushes, {len(rounds)} rounds; "
-                    f"daemon log ends:\n{tuner.log()[-2000:]}") from None
+            wait_for(lambda: errors or (len(pushed_versions(tuner.log())) >= 2
+                                        and len(rounds) >= 2),
+                     420, "two pushes by the daemon and two rounds of traffic",
+                     seen=lambda: (f"{len(pushed_versions(tuner.log()))} pushes, "
+                                   f"{len(rounds)} rounds; daemon log ends:\n"
+                                   f"{tuner.log()[-2000:]}"))
         finally:
             stop.set()
             worker.join(timeout=600)
