@@ -31,10 +31,10 @@ HIGH, LOW = 0.9, 0.25
 CONCURRENCY = 4  # batch sizes 1-4: the classes <=1, 2 and <=4
 PHASE_STEPS = 80  # decode steps counted per phase (a phase takes a few seconds)
 # Steps at the new acceptance that may still run the old band's arm. The estimate is a moving
-# average keeping 0.8 of its sums per step: from 0.9 it falls below 0.70 (where the arm
-# changes) after about 3 steps at 0.25, and below 0.55 (band 1) after about 6. In 20,000
-# simulated changes at 4 requests (AcceptanceEstimate, independent positions) k=3 ran 0-6
-# steps after the change, and 3 to 13 steps came before the first band-1 step.
+# average keeping 0.9 of its sums per step: from 0.9 it falls below 0.70 (where the arm
+# changes) after about 7 steps at 0.25, and below 0.55 (band 1) after about 13. In 20,000
+# simulated changes at 4 requests (AcceptanceEstimate, independent positions) k=3 ran 4-10
+# steps after the change, and 9 to 23 steps came before the first band-1 step.
 SWITCH_MAX_STEPS = 15
 PHASE_TIMEOUT_S = 60
 
