@@ -203,3 +203,31 @@ def test_the_hook_folds_in_what_the_per_request_estimate_would(per_req):
     est = core.acceptance
     assert (est.successes, est.trials, est.band) == (
         reference.successes, reference.trials, reference.band)
+
+
+def test_the_default_memory_places_one_request_in_its_band_and_follows_a_change():
+    """What DECAY trades: at one request drafting k = 1 (a trial per step) the batch is in its
+    true band far more often than with SGLang's 0.8, yet after a fall from 0.9 to 0.25 the
+    old arm stops within the real tier's bound (tests/real/test_bands_real.py: 15 steps)."""
+    def share_in_band(decay: float) -> float:
+        rng, est, hits, n = random.Random(3), AcceptanceEstimate(decay=decay), 0, 20_000
+        for i in range(n):
+            band = est.observe(1, [chain(rng, 0.78, 1)])  # 0.78: band 3 (0.70-0.85)
+            hits += i >= 100 and band == 3
+        return hits / (n - 100)
+
+    assert share_in_band(AcceptanceEstimate().decay) > share_in_band(0.8) + 0.1
+    ks = (3, 1, 1, 3, 3)  # unknown band, then bands 1-4, as the real tier's table
+    rng, worst = random.Random(5), 0
+    for _ in range(2000):
+        est, k = AcceptanceEstimate(), 3
+        for _ in range(60):
+            est.observe(k, [chain(rng, 0.9, k) for _ in range(4)])
+            k = ks[est.band]
+        old = 0
+        for _ in range(40):
+            k = ks[est.band]
+            old += k == 3
+            est.observe(k, [chain(rng, 0.25, k) for _ in range(4)])
+        worst = max(worst, old)
+    assert 1 <= worst <= 12, worst
