@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -45,6 +46,7 @@ def main() -> None:
     ap.add_argument("--workloads", default="chat,code,hard,shift")
     ap.add_argument("--seeds", default="1-5", help="A-B (inclusive)")
     ap.add_argument("--policy", default="model")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", help="write every run's phases here")
     ap.add_argument("--from-json", help="summarise an earlier --json instead")
     args = ap.parse_args()
@@ -52,16 +54,18 @@ def main() -> None:
         print(summary(json.loads(Path(args.from_json).read_text())))
         return
     lo, _, hi = args.seeds.partition("-")
-    runs: dict[str, list[float]] = {}
-    for profile in args.profiles.split(","):
-        for workload in args.workloads.split(","):
-            for seed in range(int(lo), int(hi or lo) + 1):
-                r = bench.run_one(profile=profile, workload=workload, load=DEFAULT_BENCH_LOAD,
-                                  policy=args.policy, seed=seed)
-                runs[f"{profile}/{workload}/{seed}"] = [p.pct_oracle for p in r.phases]
-                print(f"{profile}/{workload}/{seed}:",
-                      " ".join(f"{x:.1f}" for x in runs[f'{profile}/{workload}/{seed}']),
-                      flush=True)
+    jobs = [dict(profile=profile, workload=workload, load=DEFAULT_BENCH_LOAD,
+                 policy=args.policy, seed=seed)
+            for profile in args.profiles.split(",") for workload in args.workloads.split(",")
+            for seed in range(int(lo), int(hi or lo) + 1)]
+
+    def progress(r: bench.RunResult) -> None:
+        print(f"{r.profile}/{r.workload}/{r.seed}:",
+              " ".join(f"{p.pct_oracle:.1f}" for p in r.phases), flush=True)
+
+    # The bench's own runner: in order, in a pool of --jobs processes.
+    runs = {f"{r.profile}/{r.workload}/{r.seed}": [p.pct_oracle for p in r.phases]
+            for r in bench._run_jobs(jobs, args.jobs, progress)}
     if args.json:
         Path(args.json).write_text(json.dumps(runs, indent=1) + "\n")
     print(summary(runs))

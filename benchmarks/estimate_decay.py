@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tuner.bench as bench  # noqa: E402
-from tuner.plugin import acceptance  # noqa: E402
+from tuner.plugin import core  # noqa: E402
+from tuner.plugin.acceptance import AcceptanceEstimate  # noqa: E402
 
 
 def main() -> None:
@@ -30,11 +33,10 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--duration", type=float, default=300.0)
     args = ap.parse_args()
-    defaults = acceptance.AcceptanceEstimate.__init__.__defaults__
-    try:
-        for decay in args.decays:
-            # The plugin core builds its estimate with the defaults: set the decay there.
-            acceptance.AcceptanceEstimate.__init__.__defaults__ = (decay, acceptance.STALE_STEPS)
+    for decay in args.decays:
+        # The plugin core (which the engine drives) builds its estimate with this decay.
+        with mock.patch.object(core, "AcceptanceEstimate", partial(AcceptanceEstimate,
+                                                                   decay=decay)):
             pcts = []
             for profile in args.profiles.split(","):
                 for workload in args.workloads.split(","):
@@ -46,9 +48,7 @@ def main() -> None:
                         pcts.append(p.pct_oracle)
                         print(decay, profile, workload, c, round(p.pct_oracle, 2),
                               round(p.pct_step_oracle, 2), flush=True)
-            print("mean", decay, round(sum(pcts) / len(pcts), 3), flush=True)
-    finally:
-        acceptance.AcceptanceEstimate.__init__.__defaults__ = defaults
+        print("mean", decay, round(sum(pcts) / len(pcts), 3), flush=True)
 
 
 if __name__ == "__main__":

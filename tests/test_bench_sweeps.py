@@ -1,29 +1,17 @@
 """benchmarks/default_schedule_seeds.py and benchmarks/estimate_decay.py: what they report and
-that the decay sweep leaves the estimator's defaults as it found them."""
+that the decay sweep leaves the plugin core's estimate as it found it."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
 import pytest
 
-from tuner.plugin.acceptance import DECAY, AcceptanceEstimate
-
-_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, _DIR / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tests._bench_scripts import load_benchmark
+from tuner.plugin import core
+from tuner.plugin.acceptance import DECAY
 
 
 def test_the_seed_summary_counts_worst_phases_and_the_first_visit_to_64() -> None:
-    mod = _load("default_schedule_seeds")
+    mod = load_benchmark("default_schedule_seeds")
     runs = {"a": [99.0, 97.0, 100.0, 90.0, 100.0], "b": [100.0, 100.0, 100.0, 99.0]}
     text = mod.summary(runs)
     assert "2 runs: worst phase mean 94.50, lowest 90.0" in text
@@ -33,12 +21,12 @@ def test_the_seed_summary_counts_worst_phases_and_the_first_visit_to_64() -> Non
 
 def test_the_decay_sweep_runs_each_decay_and_restores_the_default(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    mod = _load("estimate_decay")
+    mod = load_benchmark("estimate_decay")
     seen: list[float] = []
     real_run_one = mod.bench.run_one
 
     def run_one(**kwargs):  # type: ignore[no-untyped-def]
-        seen.append(AcceptanceEstimate().decay)  # what the plugin core would build
+        seen.append(core.AcceptanceEstimate().decay)  # what the plugin core builds
         return real_run_one(**{**kwargs, "load": "5:1"})
 
     monkeypatch.setattr(mod.bench, "run_one", run_one)
@@ -46,6 +34,6 @@ def test_the_decay_sweep_runs_each_decay_and_restores_the_default(
                                      "h200-llama8b", "--workloads", "chat", "--concurrency", "1"])
     mod.main()
     assert seen == [0.5, 0.95]
-    assert AcceptanceEstimate().decay == DECAY
+    assert core.AcceptanceEstimate().decay == DECAY
     out = capsys.readouterr().out
     assert "mean 0.5 " in out and "mean 0.95 " in out

@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 
+from tests._bench_scripts import load_benchmark
 from tuner.bench import run_one
-
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "shift_recovery.py"
 
 
 @pytest.fixture(scope="module")
 def sr():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("shift_recovery", _PATH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("shift_recovery")
 
 
 def test_recovery_is_the_start_from_which_every_stretch_stays_within(sr) -> None:  # type: ignore[no-untyped-def]
