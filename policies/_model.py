@@ -226,8 +226,9 @@ class ModelPolicy(LearningPolicy):
             # Protocol rule: where a band drafts the unknown band drafts too, so a band that
             # says "off" is measured again once its estimate is stale. It drafts the cheapest
             # arm, k = 1: the probe only has to place the batch in a band (the band's own arm
-            # runs from the next step), and a probe at the band's arm cost up to 3x a step at
-            # k = 0 (k = 3 on the Kimi PCIe table, k = 5 on a top-2 MoE), once per 32 steps.
+            # runs from the next step), and a probe at the band's arm cost 2.8x a step at
+            # k = 0 (k = 3 at four requests on the Kimi PCIe table; k = 1 costs 1.8x), once
+            # per 32 steps.
             probe = min(k for k in self.arms if k > 0) if arm == 0 else arm
             unknown = probe if any(k > 0 for k in bands) else arm
             rows.append((unknown, *bands))
