@@ -14,9 +14,8 @@ evidence serves every bucket, as the policy's acceptance already does.
 A band's arm departs from its row's only on the row's greedy arm (an exploring row explores
 in every band), and by more than the switch margin. That holds where the row is off too: a
 band of high acceptance may draft in a row that does not. The protocol then wants the
-row's unknown band to draft (``ModelPolicy._banded`` gives it the cheapest arm, ``k = 1``,
-enough to place the batch in a band), so a stale estimate measures again instead of locking
-speculation off.
+row's unknown band to draft (``ModelPolicy._banded`` gives it the shallowest arm a band
+drafts), so a stale estimate measures again instead of locking speculation off.
 """
 
 from __future__ import annotations

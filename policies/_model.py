@@ -223,14 +223,10 @@ class ModelPolicy(LearningPolicy):
                 rows.append((arm,) * (n + 1))
                 continue
             bands = self._bands.arms_for(arm, [float(x) for x in t.mean[j]], margin)
-            # Protocol rule: where a band drafts the unknown band drafts too, so a band that
-            # says "off" is measured again once its estimate is stale. It drafts the cheapest
-            # arm, k = 1: the probe only has to place the batch in a band (the band's own arm
-            # runs from the next step), and a probe at the band's arm cost 2.8x a step at
-            # k = 0 (k = 3 at four requests on the Kimi PCIe table; k = 1 costs 1.8x), once
-            # per 32 steps.
-            probe = min(k for k in self.arms if k > 0) if arm == 0 else arm
-            unknown = probe if any(k > 0 for k in bands) else arm
+            drafting = [k for k in bands if k > 0]
+            # Protocol rule: where a band drafts the unknown band drafts too (its shallowest
+            # arm), so a band that says "off" is measured again once its estimate is stale.
+            unknown = min(drafting) if arm == 0 and drafting else arm
             rows.append((unknown, *bands))
         return band_table([self.buckets.bounds(j)[1] for j in range(len(arms))], rows)
 
