@@ -47,8 +47,7 @@ DEFAULT_MEMORY_STEPS = 20_000.0
 DEFAULT_STEP_SD = 0.5
 DEFAULT_TIMING_SD = 0.03
 DEFAULT_PRIOR_OBS = 2.0
-# An arm stays live at least this many decode steps of its bucket (counted in steps of the
-# greedy arm's duration, like the exploration budget below), so a bucket near the
+# An arm stays live at least this many decode steps of its bucket, so a bucket near the
 # crossover does not thrash between tables (each switch re-captures nothing, but logs, and
 # in SGLang's skip-extend mode costs acceptance).
 DEFAULT_MIN_DWELL_STEPS = 8
@@ -68,9 +67,7 @@ DEFAULT_GUARD_MEMORY_STEPS = 2_000.0
 # ... and in busy seconds of the bucket, whichever forgets faster: a server that runs a few
 # decode steps a second (a CPU server) would otherwise judge on minutes-old measurements.
 DEFAULT_GUARD_MEMORY_S = 30.0
-# At most this fraction of a bucket's (discounted) decode steps off its greedy arm, each step
-# counted at its duration in greedy steps (a step that takes ten times as long counts ten:
-# what exploring costs is time, and tokens with it). The first
+# At most this fraction of a bucket's (discounted) decode steps off its greedy arm. The first
 # dwell of an arm never run in the bucket is free, and so are the bucket's first
 # DEFAULT_EXPLORE_ALLOWANCE_STEPS steps: none by default, since decode steps come at very
 # different rates (hundreds a second at one request, a few with prefills between them at
@@ -80,10 +77,6 @@ DEFAULT_EXPLORE_ALLOWANCE_STEPS = 0
 # How far (log goodput) an arm's gap to the best may drift per bucket of distance, when an
 # untried arm borrows its gap from the nearest bucket that ran it.
 DEFAULT_BORROW_SD = 0.15
-# Weight of each new reading in the greedy arm's seconds per step (dwell and budget units) ...
-_STEP_S_WEIGHT = 0.3
-# ... and the bounds of one step's cost in greedy steps.
-_MIN_STEP_COST, _MAX_STEP_COST = 0.1, 100.0
 # Notes kept in a snapshot (guardrail reverts), oldest dropped first.
 MAX_NOTES = 50
 
@@ -103,8 +96,7 @@ class LearnerParams:
         step_sd: prior standard deviation of one request-step's log goodput.
         timing_sd: prior relative jitter of one decode step's duration.
         prior_obs: pseudo-observations behind ``step_sd``.
-        min_dwell_steps: decode steps an arm stays live in a bucket before it may change, in
-            steps of the greedy arm's duration.
+        min_dwell_steps: decode steps an arm stays live in a bucket before it may change.
         settle_steps: steps after an arm (re)starts in a bucket that count at
             ``settle_weight`` (the switching transient).
         settle_weight: weight of those steps, in [0, 1].
@@ -114,8 +106,7 @@ class LearnerParams:
         guard_min_steps: discounted steps both arms need before the guardrail judges.
         guard_memory_steps: memory of the measurements the guardrail judges on.
         guard_memory_s: ... the same in busy seconds of the bucket (the shorter one counts).
-        explore_budget: cap on the fraction of a bucket's decode steps off its greedy arm
-            (steps counted at their duration in greedy steps).
+        explore_budget: cap on the fraction of a bucket's decode steps off its greedy arm.
         explore_allowance_steps: a bucket's first steps, free of the budget (warm-up).
         borrow_sd: drift per bucket of an arm's gap to the best, when a bucket that has not
             run an arm borrows the gap from the nearest bucket that has.
@@ -178,7 +169,7 @@ class LearnerParams:
 class _BucketState:
     __slots__ = (
         "stats", "recent", "gap", "settle", "steps", "bud_total", "bud_off", "greedy", "live",
-        "dwell", "step_s",
+        "dwell",
         "last_revert",
     )
 
@@ -193,8 +184,7 @@ class _BucketState:
         self.bud_off = 0.0  # ... of which off the greedy arm
         self.greedy: int | None = None
         self.live: int | None = None  # arm last proposed
-        self.dwell = 0.0  # greedy-step equivalents since `live` was proposed
-        self.step_s: dict[int, float] = {}  # recent seconds per decode step, per arm run
+        self.dwell = 0  # steps since `live` was proposed
         self.last_revert: tuple[int, int] | None = None
 
 
@@ -263,16 +253,10 @@ class LearningPolicy(BasePolicy):
         recent = min(self._guard_gamma**s, math.exp(-obs.busy_s / p.guard_memory_s))
         for arm_stats in st.recent.values():
             arm_stats.decay(recent)
-        # Dwell and budget count in steps of the greedy arm's duration: exploring an arm whose
-        # steps take ten times as long (k = 7 at 64 requests on a PCIe MoE box) costs ten.
-        cost = s * self._step_cost(st, k, obs.busy_s / s)
-        last = st.step_s.get(k)
-        st.step_s[k] = (obs.busy_s / s if last is None
-                        else last + _STEP_S_WEIGHT * (obs.busy_s / s - last))
         if st.steps >= p.explore_allowance_steps:
-            st.bud_total = st.bud_total * factor + cost
+            st.bud_total = st.bud_total * factor + s
             off = st.greedy is not None and k != st.greedy
-            st.bud_off = st.bud_off * factor + (cost if off else 0)
+            st.bud_off = st.bud_off * factor + (s if off else 0)
         # Switching cost: an arm that resumes after other arms ran starts a settle window.
         if st.steps > 0 and st.gap[k] > p.settle_steps:
             st.settle[k] = p.settle_steps
@@ -284,18 +268,9 @@ class LearningPolicy(BasePolicy):
         for arm in self.arms:
             st.gap[arm] = 0 if arm == k else st.gap[arm] + s
         st.steps += s
-        st.dwell += cost
+        st.dwell += s
         self._observed(j, obs, r, weight)
         self._refresh_greedy(j)
-
-    @staticmethod
-    def _step_cost(st: _BucketState, k: int, step_s: float) -> float:
-        """A step of ``k`` that took ``step_s`` in greedy steps of the bucket (1 until the
-        greedy arm was timed)."""
-        base = st.step_s.get(st.greedy) if st.greedy is not None else None
-        if not base or k == st.greedy:
-            return 1.0
-        return min(max(step_s / base, _MIN_STEP_COST), _MAX_STEP_COST)
 
     def _observed(self, j: int, obs: Observation, r: float, weight: float) -> None:
         """Hook for subclasses with extra state (models, optimisers). Default: nothing."""
