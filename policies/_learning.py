@@ -47,7 +47,10 @@ DEFAULT_MEMORY_STEPS = 20_000.0
 DEFAULT_STEP_SD = 0.5
 DEFAULT_TIMING_SD = 0.03
 DEFAULT_PRIOR_OBS = 2.0
-# An arm stays live at least this many decode steps of its bucket, so a bucket near the
+# An arm stays live at least this many decode steps of its bucket, counted in steps of the
+# greedy arm's duration (a proposed arm whose steps take ten times as long has served its dwell
+# after a tenth of the steps: the first try of k = 7 at 64 requests on a PCIe MoE box costs
+# seconds otherwise), so a bucket near the
 # crossover does not thrash between tables (each switch re-captures nothing, but logs, and
 # in SGLang's skip-extend mode costs acceptance).
 DEFAULT_MIN_DWELL_STEPS = 8
@@ -77,6 +80,10 @@ DEFAULT_EXPLORE_ALLOWANCE_STEPS = 0
 # How far (log goodput) an arm's gap to the best may drift per bucket of distance, when an
 # untried arm borrows its gap from the nearest bucket that ran it.
 DEFAULT_BORROW_SD = 0.15
+# Weight of each new reading in an arm's seconds per step (the dwell's unit) ...
+_STEP_S_WEIGHT = 0.3
+# ... and the bounds of one step's length in greedy steps.
+_MIN_STEP_COST, _MAX_STEP_COST = 0.1, 100.0
 # Notes kept in a snapshot (guardrail reverts), oldest dropped first.
 MAX_NOTES = 50
 
@@ -96,7 +103,8 @@ class LearnerParams:
         step_sd: prior standard deviation of one request-step's log goodput.
         timing_sd: prior relative jitter of one decode step's duration.
         prior_obs: pseudo-observations behind ``step_sd``.
-        min_dwell_steps: decode steps an arm stays live in a bucket before it may change.
+        min_dwell_steps: decode steps an arm stays live in a bucket before it may change, in
+            steps of the greedy arm's duration.
         settle_steps: steps after an arm (re)starts in a bucket that count at
             ``settle_weight`` (the switching transient).
         settle_weight: weight of those steps, in [0, 1].
@@ -169,7 +177,7 @@ class LearnerParams:
 class _BucketState:
     __slots__ = (
         "stats", "recent", "gap", "settle", "steps", "bud_total", "bud_off", "greedy", "live",
-        "dwell",
+        "dwell", "step_s",
         "last_revert",
     )
 
@@ -184,7 +192,8 @@ class _BucketState:
         self.bud_off = 0.0  # ... of which off the greedy arm
         self.greedy: int | None = None
         self.live: int | None = None  # arm last proposed
-        self.dwell = 0  # steps since `live` was proposed
+        self.dwell = 0.0  # greedy-step lengths since `live` was proposed
+        self.step_s: dict[int, float] = {}  # recent seconds per decode step, per arm run
         self.last_revert: tuple[int, int] | None = None
 
 
@@ -268,9 +277,21 @@ class LearningPolicy(BasePolicy):
         for arm in self.arms:
             st.gap[arm] = 0 if arm == k else st.gap[arm] + s
         st.steps += s
-        st.dwell += s
+        st.dwell += s * self._step_length(st, k, obs.busy_s / s)
+        last = st.step_s.get(k)
+        st.step_s[k] = (obs.busy_s / s if last is None
+                        else last + _STEP_S_WEIGHT * (obs.busy_s / s - last))
         self._observed(j, obs, r, weight)
         self._refresh_greedy(j)
+
+    @staticmethod
+    def _step_length(st: _BucketState, k: int, step_s: float) -> float:
+        """A step of ``k`` that took ``step_s``, in steps of the bucket's greedy arm (1 until
+        the greedy arm was timed)."""
+        base = st.step_s.get(st.greedy) if st.greedy is not None else None
+        if not base or k == st.greedy:
+            return 1.0
+        return min(max(step_s / base, _MIN_STEP_COST), _MAX_STEP_COST)
 
     def _observed(self, j: int, obs: Observation, r: float, weight: float) -> None:
         """Hook for subclasses with extra state (models, optimisers). Default: nothing."""
@@ -394,7 +415,7 @@ class LearningPolicy(BasePolicy):
                     arm = g
             if arm != st.live:
                 st.live = arm
-                st.dwell = 0
+                st.dwell = 0.0
             chosen.append(arm)
         return self.buckets.table(chosen)
 

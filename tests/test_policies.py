@@ -139,6 +139,34 @@ def test_exploration_budget_respected(name):
     assert off <= budget * total + 100
 
 
+@pytest.mark.parametrize("name", ["thompson", "ucb", "model"])
+@pytest.mark.parametrize("slowdown", [1.0, 10.0])
+def test_dwell_counts_in_greedy_steps_of_time(name, slowdown):
+    """An exploring arm whose steps take ten times the greedy arm's has served its dwell
+    after a tenth of the steps; the exploration budget still counts steps."""
+    p = make_policy(name, arms=ARMS, buckets=ONE_BUCKET, seed=0, min_dwell_steps=8)
+    for _ in range(5):
+        for k, g in TRUTH.items():
+            p.update(obs(k, g))
+    assert p.greedy_arms()[0] == 3
+    st = p._state[0]
+    st.live, st.dwell = 5, 0.0  # k = 5 was just proposed
+    off_before, _ = p.exploration(0)
+    greedy_step_s = EMITTED[3] / TRUTH[3]
+    emitted = round(EMITTED[5] * 2)
+    p.update(Observation(b=1, k=5, decode_steps=2, emitted_tokens=emitted,
+                         accepted_drafts=emitted - 2, drafted_tokens=10,
+                         busy_s=2 * slowdown * greedy_step_s))
+    off, _ = p.exploration(0)
+    arm = next(kk for bound, kk in p.propose() if bound is None or bound >= 1)
+    if slowdown == 1.0:
+        assert arm == 5  # two greedy steps' worth of time: still within its dwell
+    else:
+        assert arm == 3  # twenty greedy steps' worth: the dwell is served
+    # ... and the budget charges the two steps as two.
+    assert off == pytest.approx(off_before * p._gamma**2 + 2)
+
+
 @pytest.mark.parametrize("name", LEARNING)
 def test_replaying_observations_rebuilds_the_state(name):
     live = make_policy(name, arms=ARMS, buckets=Buckets((1, 4)), seed=5)
