@@ -47,12 +47,11 @@ DEFAULT_MEMORY_STEPS = 20_000.0
 DEFAULT_STEP_SD = 0.5
 DEFAULT_TIMING_SD = 0.03
 DEFAULT_PRIOR_OBS = 2.0
-# An arm stays live at least this many decode steps of its bucket, counted in steps of the
-# greedy arm's duration (a proposed arm whose steps take ten times as long has served its dwell
-# after a tenth of the steps: the first try of k = 7 at 64 requests on a PCIe MoE box costs
-# seconds otherwise), so a bucket near the
+# An arm stays live at least this many decode steps of its bucket, so a bucket near the
 # crossover does not thrash between tables (each switch re-captures nothing, but logs, and
-# in SGLang's skip-extend mode costs acceptance).
+# in SGLang's skip-extend mode costs acceptance). The steps count at their length in steps
+# of the greedy arm: an arm whose steps take ten times as long has served its dwell after a
+# tenth of them (else the first try of k = 7 at 64 requests on a PCIe MoE box costs seconds).
 DEFAULT_MIN_DWELL_STEPS = 8
 # Steps right after an arm (re)starts in a bucket carry the switch transient (draft state
 # catching up, cold recovery); they count at a reduced weight.
@@ -83,7 +82,7 @@ DEFAULT_BORROW_SD = 0.15
 # Weight of each new reading in an arm's seconds per step (the dwell's unit) ...
 _STEP_S_WEIGHT = 0.3
 # ... and the bounds of one step's length in greedy steps.
-_MIN_STEP_COST, _MAX_STEP_COST = 0.1, 100.0
+_MIN_STEP_LENGTH, _MAX_STEP_LENGTH = 0.1, 100.0
 # Notes kept in a snapshot (guardrail reverts), oldest dropped first.
 MAX_NOTES = 50
 
@@ -277,10 +276,10 @@ class LearningPolicy(BasePolicy):
         for arm in self.arms:
             st.gap[arm] = 0 if arm == k else st.gap[arm] + s
         st.steps += s
-        st.dwell += s * self._step_length(st, k, obs.busy_s / s)
+        step_s = obs.busy_s / s
+        st.dwell += s * self._step_length(st, k, step_s)
         last = st.step_s.get(k)
-        st.step_s[k] = (obs.busy_s / s if last is None
-                        else last + _STEP_S_WEIGHT * (obs.busy_s / s - last))
+        st.step_s[k] = step_s if last is None else last + _STEP_S_WEIGHT * (step_s - last)
         self._observed(j, obs, r, weight)
         self._refresh_greedy(j)
 
@@ -291,7 +290,7 @@ class LearningPolicy(BasePolicy):
         base = st.step_s.get(st.greedy) if st.greedy is not None else None
         if not base or k == st.greedy:
             return 1.0
-        return min(max(step_s / base, _MIN_STEP_COST), _MAX_STEP_COST)
+        return min(max(step_s / base, _MIN_STEP_LENGTH), _MAX_STEP_LENGTH)
 
     def _observed(self, j: int, obs: Observation, r: float, weight: float) -> None:
         """Hook for subclasses with extra state (models, optimisers). Default: nothing."""
@@ -391,7 +390,8 @@ class LearningPolicy(BasePolicy):
             # steps are scarce (hundreds of requests, prefill between most decode steps) the
             # free allowance can pass before every arm was seen once.
             return True
-        # Exploring now costs at least one dwell of steps: check it still fits.
+        # Exploring now costs a dwell, at most this many steps (fewer for an arm slower than
+        # the greedy one): check it still fits.
         need = p.min_dwell_steps
         return st.bud_off + need <= p.explore_budget * (st.bud_total + need)
 
