@@ -16,6 +16,13 @@ in every band), and by more than the switch margin. That holds where the row is 
 band of high acceptance may draft in a row that does not. The protocol then wants the
 row's unknown band to draft (``ModelPolicy._banded`` gives it the shallowest arm a band
 drafts), so a stale estimate measures again instead of locking speculation off.
+
+Those probes are not free: after every :data:`_STALE_STEPS` steps in a band that says "off",
+the plugin runs the unknown band's arm (twice under the overlap scheduler, which looks the
+next arm up before the probe's result is in). So a row that is off lets its bands draft only
+where, weighed by how often the bucket's batches sit in each band (its occupancy, any arm),
+the drafting bands gain more than the probes cost. A band of high acceptance that batches of
+that size never reach buys nothing and would cost the probes.
 """
 
 from __future__ import annotations
@@ -37,6 +44,14 @@ _MIN_REQUEST_STEPS = 300.0
 # ... and the weight, in request-steps, of the band's middle as its α before it has any.
 _PRIOR_REQUEST_STEPS = 100.0
 _ALPHAS = tuple(i / 100 for i in range(101))
+# The plugin's steps without drafting before its band goes unknown
+# (``tuner.plugin.acceptance.STALE_STEPS``, docs/protocol.md), and the probe steps that follow:
+# two, since the overlap scheduler launches the next step before the probe's result is in.
+_STALE_STEPS = 32
+_PROBE_STEPS = 2
+# Decode steps of a bucket's own band occupancy that weigh as much as the pooled occupancy of
+# every bucket, its prior (a bucket never seen takes the others' spread of bands).
+_PRIOR_OCCUPANCY_STEPS = 64.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,9 +77,10 @@ class BandObservation:
 def band_observations(rows: Iterable[Any]) -> list[BandObservation]:
     """Band counter rows (anything with ``band``, ``k``, ``decode_steps``, ``requests`` and
     ``accepted_drafts``, e.g. ``tuner.protocol.BandCounter`` deltas) as observations: the
-    known bands' drafting only (the unknown band and k = 0 say nothing of a band)."""
+    known bands' steps (the unknown band says nothing of a band). Steps at ``k = 0`` count
+    only for the band's occupancy; they say nothing of its acceptance."""
     return [BandObservation(r.band, r.k, r.decode_steps, r.requests, r.accepted_drafts)
-            for r in rows if r.band > 0 and r.k > 0]
+            for r in rows if r.band > 0 and r.decode_steps > 0]
 
 
 class BandBook:
@@ -79,6 +95,8 @@ class BandBook:
         self.arms, self.delta = tuple(arms), delta
         # per known band (index band - 1), per arm k > 0: discounted accepted, request-steps
         self._acc = [{k: [0.0, 0.0] for k in self.arms if k > 0} for _ in self.mid]
+        # per bucket: discounted decode steps in each known band, at any arm
+        self._occ: dict[int, list[float]] = {}
         self._emitted: list[tuple[dict[int, float], float]] | None = None
 
     @property
@@ -99,6 +117,45 @@ class BandBook:
         cell[1] += obs.request_steps
         self._emitted = None
         return True
+
+    def occupy(self, bucket: int, obs: BandObservation, discount: float) -> bool:
+        """Count where ``bucket``'s batches sat: ``obs``'s steps in its band, after ageing
+        the bucket's occupancy by ``discount``."""
+        if obs.problem() is not None or not 1 <= obs.band <= self.bands or obs.decode_steps == 0:
+            return False
+        cell = self._occ.setdefault(bucket, [0.0] * self.bands)
+        for i in range(self.bands):
+            cell[i] *= discount
+        cell[obs.band - 1] += obs.decode_steps
+        return True
+
+    def occupancy(self, bucket: int) -> list[float]:
+        """The share of ``bucket``'s steps in each known band: its own counts, shrunk towards
+        every bucket's pooled counts (uniform before there are any)."""
+        pool = [sum(c[i] for c in self._occ.values()) for i in range(self.bands)]
+        total = sum(pool)
+        prior = [p / total for p in pool] if total > 0 else [1 / self.bands] * self.bands
+        own = self._occ.get(bucket, [0.0] * self.bands)
+        n = sum(own) + _PRIOR_OCCUPANCY_STEPS
+        return [(o + _PRIOR_OCCUPANCY_STEPS * q) / n for o, q in zip(own, prior, strict=True)]
+
+    def drafting_pays(self, bucket: int, band_arms: Sequence[int],
+                      log_t: Sequence[float]) -> bool:
+        """Whether, in a bucket whose row is off, drafting as ``band_arms`` (an arm per known
+        band, some > 0) beats the row off in every band once the probes are paid for."""
+        share, time = self.occupancy(bucket), dict(zip(self.arms, map(math.exp, log_t),
+                                                           strict=True))
+        probe = min(k for k in band_arms if k > 0)
+        tokens = seconds = 0.0
+        for band, (s, k) in enumerate(zip(share, band_arms, strict=True), start=1):
+            em = self.emitted(band)[0]
+            tokens += s * em[k]
+            seconds += s * time[k]
+            if k == 0:  # a probe per stale stretch of steps in a band that says "off"
+                q = s * _PROBE_STEPS / _STALE_STEPS
+                tokens += q * em[probe]
+                seconds += q * time[probe]
+        return tokens / seconds > 1.0 / time[0]
 
     def emitted(self, band: int) -> tuple[dict[int, float], float]:
         """Mean emitted tokens per request-step per arm in ``band``, and the band's

@@ -187,9 +187,13 @@ class ModelPolicy(LearningPolicy):
         self._bands = BandBook(edges, self.arms, self.params.chain_delta)
 
     def update_bands(self, obs: BandObservation) -> bool:
-        """Feed one band's drafting; False if unusable or bands are not set."""
+        """Feed one band's steps; False if unusable or bands are not set (steps at
+        ``k = 0`` count only where the bucket's batches sat, and return False)."""
         if self._bands is None:
             return False
+        if obs.decode_steps > 0:
+            b = max(1, round(obs.request_steps / obs.decode_steps))  # the steps' mean batch
+            self._bands.occupy(self.buckets.index(b), obs, self._gamma**obs.decode_steps)
         # Per request-step, as the pooled acceptance, and per drafting busy second since the
         # last band update: after a workload change a band must not hold the old world's
         # acceptance for minutes of light traffic.
@@ -222,7 +226,10 @@ class ModelPolicy(LearningPolicy):
             if arm != greedy[j]:  # an exploring row explores in every band
                 rows.append((arm,) * (n + 1))
                 continue
-            bands = self._bands.arms_for(arm, [float(x) for x in t.mean[j]], margin)
+            log_t = [float(x) for x in t.mean[j]]
+            bands = self._bands.arms_for(arm, log_t, margin)
+            if arm == 0 and any(bands) and not self._bands.drafting_pays(j, bands, log_t):
+                bands = (0,) * n
             drafting = [k for k in bands if k > 0]
             # Protocol rule: where a band drafts the unknown band drafts too (its shallowest
             # arm), so a band that says "off" is measured again once its estimate is stale.

@@ -96,6 +96,36 @@ def test_a_row_that_does_not_draft_drafts_in_a_band_of_high_acceptance():
     assert validate_band_table([[bound, *ks] for bound, ks in table], ARMS) == table
 
 
+def row_at(p: ModelPolicy, b: int) -> tuple[int, ...]:
+    table = p.greedy_bands()
+    assert table is not None
+    return next(ks for bound, ks in table if bound is None or bound >= b)
+
+
+def test_a_row_that_is_off_drafts_only_in_bands_its_batches_reach():
+    """Keeping an "off" band fresh costs probe steps at a drafting arm: a band of high
+    acceptance that batches of this size never reach must not make an off row draft."""
+    p = cheap_drafts_low_acceptance()
+    feed_band(p, 1, 1, 0.1)
+    feed_band(p, 4, 3, 0.95)  # seen at one request
+    assert row_at(p, 16)[4] > 0  # no occupancy at 16 yet: the pooled spread of bands
+    # At 16 requests every step sits in band 1 (the batch averages its requests out).
+    # Steps at k = 0 say where the batches sat, nothing of acceptance.
+    assert not p.update_bands(BandObservation(1, 0, 2000, 32000, 0))
+    assert row_at(p, 16) == (0,) * 5
+    assert row_at(p, 1)[4] > 0  # one request's batches do reach band 4
+    # Batches of 16 that sit in band 4 a third of the time: drafting there pays its probes.
+    p.update_bands(BandObservation(4, 0, 1000, 16000, 0))
+    assert row_at(p, 16)[4] > 0
+
+
+def test_the_probe_rule_matches_the_plugin():
+    from policies._banded import _STALE_STEPS
+    from tuner.plugin.acceptance import STALE_STEPS
+
+    assert _STALE_STEPS == STALE_STEPS
+
+
 def test_band_acceptance_forgets_with_drafting_busy_seconds():
     p = trained()
     feed_band(p, 4, 3, 0.95)
