@@ -26,7 +26,8 @@ before every launch, and every rank looks up the same ``k``.
 cleared. The table's unknown-band ``k`` then applies, and protocol v2 requires it to be > 0
 in every row where a known band drafts: the next step at such a batch size drafts, measures,
 and puts the band back. Speculation therefore cannot lock off through a stale band; at most
-one step in ``STALE_STEPS`` is a probe while the known band says ``k = 0``.
+one step in ``STALE_STEPS`` is a probe while the known band says ``k = 0`` (two under the
+overlap scheduler, which looks the next arm up before the probe's result is folded in).
 """
 
 from __future__ import annotations
