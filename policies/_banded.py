@@ -8,8 +8,10 @@ time does not depend on the band, acceptance hardly on the batch size, so the tw
 
 ``T`` is the model policy's step-time posterior (every bucket's measurements); a band's
 acceptance is its own accepted drafts per request-step per arm where it has enough of them,
-else a chain through the arms it has run, shrunk towards the band's middle. One band's
-evidence serves every bucket, as the policy's acceptance already does.
+else a chain (α, δ) through the arms it has run, shrunk towards the band's middle on the
+policy's pooled chain shape. Two arms run in a band set its own δ: acceptance that rises with
+depth, or falls off past a horizon, is followed instead of forced onto the default chain. One
+band's evidence serves every bucket, as the policy's acceptance already does.
 
 A band's arm departs from its row's only on the row's greedy arm (an exploring row explores
 in every band), and by more than the switch margin. That holds where the row is off too: a
@@ -32,7 +34,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from policies._acceptance import expected_accepted
+from policies._acceptance import chain_accepted, fit_chain
 
 __all__ = ["BandBook", "BandObservation", "BandTable", "band_observations"]
 
@@ -43,7 +45,6 @@ BandTable = tuple[tuple[int | None, tuple[int, ...]], ...]
 _MIN_REQUEST_STEPS = 300.0
 # ... and the weight, in request-steps, of the band's middle as its α before it has any.
 _PRIOR_REQUEST_STEPS = 100.0
-_ALPHAS = tuple(i / 100 for i in range(101))
 # The plugin's steps without drafting before its band goes unknown
 # (``tuner.plugin.acceptance.STALE_STEPS``, docs/protocol.md), and the probe steps that follow:
 # two, since the overlap scheduler launches the next step before the probe's result is in.
@@ -102,6 +103,11 @@ class BandBook:
     @property
     def bands(self) -> int:
         return len(self.mid)
+
+    def set_delta(self, delta: float) -> None:
+        """The chain δ a band's prior takes: the policy's pooled fit, shared by every band."""
+        if delta != self.delta:
+            self.delta, self._emitted = delta, None
 
     def update(self, obs: BandObservation, discount: float) -> bool:
         """Count one observation, after ageing everything by ``discount``."""
@@ -167,21 +173,22 @@ class BandBook:
     def _fit(self, i: int) -> tuple[dict[int, float], float]:
         per_arm = self._acc[i]
         seen = {k: (acc / rs, rs) for k, (acc, rs) in per_arm.items() if rs > 0}
-        # The chain's α through the band's measured arms, weighed by evidence, shrunk to the
-        # band's middle (a band is a range of acceptance: it says something before any data).
-        alpha, total = self.mid[i], sum(rs for _, rs in seen.values())
-        if seen:
-            def loss(a: float) -> float:
-                return sum(rs * (m - expected_accepted(a, self.delta, k)) ** 2
-                           for k, (m, rs) in seen.items())
-            fitted = min(_ALPHAS, key=loss)
-            alpha = (total * fitted + _PRIOR_REQUEST_STEPS * alpha) / (
-                total + _PRIOR_REQUEST_STEPS)
+        total = sum(rs for _, rs in seen.values())
+        # The chain (α, δ) through the band's measured arms, weighed by evidence, with a prior
+        # of _PRIOR_REQUEST_STEPS request-steps spread over the arms at the default chain
+        # through the band's middle (a band is a range of acceptance: it says something
+        # before any data). Two arms measured pin δ too: a chain of the default δ fitted to
+        # a deep arm would misjudge a shallow one wherever acceptance is not that chain.
+        drafting = [k for k in self.arms if k > 0]
+        prior = [(k, chain_accepted(self.mid[i], self.delta, k),
+                  _PRIOR_REQUEST_STEPS / len(drafting)) for k in drafting]
+        alpha, delta = fit_chain(drafting, [*prior, *((k, m, rs) for k, (m, rs) in seen.items())],
+                                 self.delta)
         out = {0: 1.0}
         for k in per_arm:
             m, rs = seen.get(k, (0.0, 0.0))
             own = rs >= _MIN_REQUEST_STEPS
-            out[k] = 1.0 + (m if own else expected_accepted(alpha, self.delta, k))
+            out[k] = 1.0 + (m if own else chain_accepted(alpha, delta, k))
         return out, total
 
     def arms_for(self, row_arm: int, log_t: Sequence[float], margin: float) -> tuple[int, ...]:

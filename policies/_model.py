@@ -5,8 +5,9 @@
 - **Acceptance** is a property of the requests, not of the batch size, so one estimate serves
   every bucket. Per arm ``k > 0`` the mean accepted drafts per request-step come straight
   from the accepted/drafted counters (observable whenever ``k > 0``, no exploration needed);
-  a chain model (``P(A ≥ i) = α^i δ^(i(i−1)/2)``, α fitted to those means) fills in arms
-  never run, and shrinks the noisy ones.
+  a chain model (``P(A ≥ i) = α^i δ^(i(i−1)/2)``, α fitted to those means, δ too once arms
+  of two depths are measured, around the default δ) fills in arms never run, and shrinks the
+  noisy ones.
 - **Step time** ``T(b, k)`` per (bucket, arm) is the anchors' cost model (bilinear in ``b``
   and ``k``, plus weight reads that saturate in the tokens a forward carries, as a
   mixture-of-experts step's do) and each cell's deviation from it, a smooth field whose
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from policies._acceptance import expected_accepted
+from policies._acceptance import ALPHAS, chain_accepted, fit_chain
 from policies._banded import BandBook, BandObservation, BandTable, band_table
 from policies._base import ArmEstimate, Observation
 from policies._learning import LearnerParams, LearningPolicy, _require
@@ -67,6 +68,9 @@ DEFAULT_ACCEPTANCE_MEMORY_S = 30.0
 DEFAULT_ACCEPTANCE_CORR = 30.0
 # Per-position decay used to extrapolate acceptance to arms not yet run (anchors §3.3).
 DEFAULT_CHAIN_DELTA = 0.973
+# The spread of the chain's δ around it before arms measured at two depths say otherwise:
+# chains of δ 0.85-1 and acceptance that rises with depth (δ above 1) are all seen.
+_DELTA_PRIOR_SD = 0.1
 DEFAULT_MODEL_SAMPLE_SCALE = 1.0
 # Young buckets measure the arm with the best mean + OPTIMISM sd first.
 DEFAULT_OPTIMISM = 1.0
@@ -91,7 +95,8 @@ class ModelParams(LearnerParams):
         acceptance_memory_steps: ... and in decode steps (both discount).
         acceptance_memory_s: ... and in busy seconds (the shortest of the three counts).
         acceptance_corr: request-steps per independent acceptance sample (>= 1).
-        chain_delta: per-position decay δ of the chain model, in (0, 1].
+        chain_delta: per-position decay δ of the chain model, in (0, 1], before arms of two
+            depths say otherwise (the fitted δ may then pass 1: acceptance rising with depth).
         sample_scale: posterior draws are scaled by this.
         zero_arm_sd: prior spread of k = 0's own step-time intercept (relative), until k = 0
             runs somewhere.
@@ -166,6 +171,7 @@ class ModelPolicy(LearningPolicy):
         self._pred: np.ndarray | None = None  # [bucket, arm] -> (mean, sd) of log goodput/req
         self._comp: tuple[StepTimePosterior, dict[int, float], dict[int, float]] | None = None
         self._alpha = (0.7, 0.3)  # chain-model α and its standard error
+        self._delta = self.params.chain_delta  # ... and its δ (per-position factor)
         # Each arm's place on the cost model's draft-token axis: k for a chain (verify k + 1
         # tokens), draft_tokens - 1 for an EAGLE tree's arm (set_verify_tokens). Priced as
         # a 2-deep chain, a 16-token tree looked no dearer than k = 0 at 256 requests, and
@@ -221,6 +227,7 @@ class ModelPolicy(LearningPolicy):
     def _banded(self, arms: Sequence[int], greedy: Sequence[int]) -> BandTable:
         assert self._bands is not None
         t, margin, n = self._components()[0], self.params.switch_margin, self._bands.bands
+        self._bands.set_delta(self._delta)  # the pooled acceptance's shape, every band's prior
         rows: list[tuple[int, ...]] = []
         for j, arm in enumerate(arms):
             if arm != greedy[j]:  # an exploring row explores in every band
@@ -315,9 +322,9 @@ class ModelPolicy(LearningPolicy):
         for k in self.arms:
             if k == 0:
                 continue
-            m_model = expected_accepted(alpha, p.chain_delta, k)
+            m_model = chain_accepted(alpha, self._delta, k)
             # Spread of the chain prediction: α's uncertainty, plus the model's own misfit.
-            hi = expected_accepted(min(alpha + alpha_sd, 1.0), p.chain_delta, k)
+            hi = chain_accepted(min(alpha + alpha_sd, 1.0), self._delta, k)
             sd_model = max(hi - m_model, 0.0) + 0.05 * m_model + 1e-6
             if k in direct:
                 m_d, sd_d = direct[k]
@@ -329,20 +336,28 @@ class ModelPolicy(LearningPolicy):
         return mean, sd
 
     def _fit_alpha(self, direct: dict[int, tuple[float, float]]) -> tuple[float, float]:
-        """Least-squares α of the chain model to the measured means (golden section)."""
+        """The chain model's α (and its standard error) fitted by least squares to the measured
+        means, and its δ: the default's unless two or more arms measured say otherwise."""
         if not direct:
+            self._delta = self.params.chain_delta
             return 0.7, 0.3  # nothing seen yet: a wide prior around typical EAGLE-3 chat
-        delta = self.params.chain_delta
+        drafting = [k for k in self.arms if k > 0]
+        coarse, delta = fit_chain(drafting, [(k, m, 1 / (sd * sd + 1e-12))
+                                        for k, (m, sd) in direct.items()],
+                             self.params.chain_delta, _DELTA_PRIOR_SD)
+        self._delta = delta
 
         def loss(a: float) -> float:
-            return sum(((m - expected_accepted(a, delta, k)) / sd) ** 2
+            return sum(((m - chain_accepted(a, delta, k)) / sd) ** 2
                        for k, (m, sd) in direct.items())
 
-        lo, hi = 0.0, 1.0
+        # Golden section within the grid's step around its α (a 1e-4 bracket in 12 steps).
+        step = float(ALPHAS[1] - ALPHAS[0])
+        lo, hi = max(coarse - step, 0.0), min(coarse + step, 1.0)
         g = (math.sqrt(5) - 1) / 2
         x1, x2 = hi - g * (hi - lo), lo + g * (hi - lo)
         f1, f2 = loss(x1), loss(x2)
-        for _ in range(30):
+        for _ in range(12):
             if f1 < f2:
                 hi, x2, f2 = x2, x1, f1
                 x1 = hi - g * (hi - lo)
@@ -467,8 +482,8 @@ class ModelPolicy(LearningPolicy):
         log_t = t.draw(j, self._rng)
         best_arm, best_draw = greedy, -math.inf
         for ai, arm in enumerate(self.arms):
-            shift = (expected_accepted(drawn, p.chain_delta, arm)
-                     - expected_accepted(alpha, p.chain_delta, arm))
+            shift = (chain_accepted(drawn, self._delta, arm)
+                     - chain_accepted(alpha, self._delta, arm))
             e = min(max(em[arm] + shift, 1.0), 1.0 + arm)
             lt = t.mean[j, ai] + scale * (float(log_t[ai]) - t.mean[j, ai])
             draw = math.log(e) - lt

@@ -45,8 +45,11 @@ def test_json_and_text_carry_the_step_oracle(tmp_path, capsys):
     assert "per-step oracle headroom, % per phase (model's batches):" in capsys.readouterr().out
     for run in json.loads(out.read_text())["runs"]:
         for ph in run["phases"]:
-            assert 0 < ph["pct_step_oracle_all"] <= ph["pct_oracle_all"] <= 100
+            assert 0 < ph["pct_step_oracle_all"] <= ph["pct_oracle_all"]
             assert ph["step_oracle_goodput"] >= ph["oracle_goodput"]
+            # One arm per bucket cannot beat the per-bucket oracle; banded tables may.
+            if run["policy"] == "never":
+                assert ph["pct_oracle_all"] <= 100
 
 
 def test_run_bench_results_hold_the_step_oracle_per_phase():

@@ -74,6 +74,19 @@ def test_band_arms_stand_on_their_own_evidence_whatever_the_row_arm():
     assert off[3] == on[3]  # the same evidence, the same arm, whatever the row runs
 
 
+def test_a_band_measured_at_two_depths_follows_their_shape():
+    # Acceptance that falls off past the second position (a horizon): k = 5 runs most and
+    # accepts 2.06 drafts a request-step, k = 3 ran a little and accepted 1.93. A chain of the
+    # default δ through both would put k = 3 near 1.7; the two depths' own shape says 1.93.
+    book = BandBook(EDGES, ARMS, 0.973)
+    assert book.update(BandObservation(3, 5, 700, 700, round(2.06 * 700)), 1.0)
+    assert book.update(BandObservation(3, 3, 130, 130, round(1.93 * 130)), 1.0)
+    em, evidence = book.emitted(3)
+    assert evidence == 830
+    assert em[3] == pytest.approx(2.9, abs=0.05) and em[5] == pytest.approx(3.06, abs=0.05)
+    assert em[1] < em[3] < em[5]
+
+
 def cheap_drafts_low_acceptance() -> ModelPolicy:
     """Drafts cheap but rarely accepted (0.1 per position): the greedy table is off."""
     return trained(acc={0: 0.0, 1: 0.1, 3: 0.111, 5: 0.111},

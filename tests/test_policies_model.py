@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
-
 from collections.abc import Callable
 
 import pytest
 
 from policies import Buckets, ModelPolicy, Observation, expected_emitted, make_policy
+from policies._acceptance import chain_accepted, fit_chain
+from policies._model import DEFAULT_CHAIN_DELTA
 
 ARMS = (0, 1, 3, 5)
 
@@ -60,6 +61,53 @@ def test_acceptance_shift_is_detected_and_followed():
     assert any("acceptance changed" in n for n in p.snapshot().notes)
 
 
+def test_acceptance_that_rises_with_depth_is_followed_past_the_measured_arms():
+    # Rejection shrinking by a quarter per position (0.6, 0.7, 0.775, ...): a draft that got
+    # far is on an easy stretch. Measured at k = 1 and 3, a chain of the default δ through
+    # them puts k = 5 at ~1.5 accepted drafts where it accepts 1.85; the two arms' shape
+    # moves it most of the way (δ's prior gives way only to this much evidence).
+    def accepted(k: int) -> float:
+        total, p = 0.0, 1.0
+        for i in range(k):
+            p *= 1 - 0.4 * 0.75**i
+            total += p
+        return total
+
+    p = make_policy("model", arms=ARMS, seed=0)
+    assert isinstance(p, ModelPolicy)
+    for _ in range(5):
+        for k in (1, 3):
+            a = round(accepted(k) * 16 * 200)
+            p.update(Observation(16, k, 200, 16 * 200 + a, a, k * 16 * 200, step_s(16, k) * 200))
+    mean, _ = p._acceptance()
+    assert mean[1] == pytest.approx(accepted(1), abs=0.02)
+    assert mean[3] == pytest.approx(accepted(3), abs=0.05)
+    assert accepted(5) - 0.2 < mean[5] < accepted(5) + 0.1
+
+
+def test_a_chain_is_fitted_in_alpha_and_delta_and_caps_each_position_at_one():
+    assert chain_accepted(0.8, 0.95, 5) == pytest.approx(expected_emitted(0.8, 0.95, 5) - 1)
+    # δ above 1: position 2's conditional acceptance 0.9·1.2 is capped at 1.
+    assert chain_accepted(0.9, 1.2, 3) == pytest.approx(0.9 + 0.9 + 0.9)
+    exact = [(k, chain_accepted(0.62, 1.06, k), 1.0) for k in (1, 3, 5)]
+    alpha, delta = fit_chain((1, 3, 5, 7), exact, 0.973)
+    assert alpha == pytest.approx(0.62, abs=0.003) and delta == pytest.approx(1.06)
+    # One arm cannot tell δ apart: the prior's δ stays, exactly.
+    alpha, delta = fit_chain((1, 3, 5, 7), exact[1:2], 0.973, 0.1)
+    assert delta == 0.973
+    assert chain_accepted(alpha, delta, 3) == pytest.approx(exact[1][1], abs=0.01)
+
+
+def test_one_measured_arm_keeps_the_default_chain():
+    p = make_policy("model", arms=ARMS, seed=0)
+    assert isinstance(p, ModelPolicy)
+    for _ in range(5):
+        p.update(obs(16, 3, 0.8))
+    mean, _ = p._acceptance()
+    assert p._delta == p.params.chain_delta
+    assert mean[5] == pytest.approx(expected_emitted(p._alpha[0], p.params.chain_delta, 5) - 1)
+
+
 def moe_step_s(b: int, k: int) -> float:
     # Mixture of experts (128 experts, top-8): a step reads the experts its b·(k+1) tokens
     # route to, which saturates, so deep drafts get relatively cheaper up to mid batches.
@@ -80,13 +128,14 @@ def tiled_step_s(b: int, k: int) -> float:
 
 def surface_obs(step: Callable[[int, int], float], b: int, k: int, steps: int = 200
                 ) -> Observation:
-    emitted = round(expected_emitted(0.8, 1.0, k) * b * steps)
+    # Acceptance is the model's own chain, so only the step-time surface can misfit.
+    emitted = round(expected_emitted(0.8, DEFAULT_CHAIN_DELTA, k) * b * steps)
     return Observation(b, k, steps, emitted, emitted - b * steps, k * b * steps,
                        step(b, k) * steps)
 
 
 def surface_best(step: Callable[[int, int], float], b: int) -> int:
-    return max(ARMS7, key=lambda k: expected_emitted(0.8, 1.0, k) / step(b, k))
+    return max(ARMS7, key=lambda k: expected_emitted(0.8, DEFAULT_CHAIN_DELTA, k) / step(b, k))
 
 
 ARMS7 = (0, 1, 3, 5, 7)
