@@ -52,7 +52,7 @@ def chain_accepted(alpha: float, delta: float, k: int) -> float:
     return total
 
 
-@lru_cache(maxsize=8)
+@lru_cache(maxsize=64)
 def chain_grid(arms: tuple[int, ...], deltas: tuple[float, ...]) -> np.ndarray:
     """:func:`chain_accepted` on the (:data:`ALPHAS`, ``deltas``) grid, [α, δ, arm]."""
     grid = np.array([[[chain_accepted(float(a), d, k) for k in arms] for d in deltas]
@@ -65,11 +65,11 @@ def fit_chain(arms: Sequence[int], points: Iterable[tuple[int, float, float]], d
               delta_sd: float = math.inf) -> tuple[float, float]:
     """The chain ``(α, δ)`` on the grid of least ``Σ weight·(mean − chain)²`` over ``points``
     of ``(arm, mean accepted drafts per request-step, weight)``, plus ``((δ − delta) /
-    delta_sd)²``: a normal prior on δ around ``delta``."""
-    deltas = tuple(sorted({*DELTAS, delta}))
+    delta_sd)²``: a normal prior on δ around ``delta`` (``delta_sd`` 0: δ is ``delta``)."""
+    deltas = (delta,) if delta_sd == 0 else tuple(sorted({*DELTAS, delta}))
     grid, index = chain_grid(tuple(arms), deltas), {k: i for i, k in enumerate(arms)}
     loss = np.zeros(grid.shape[:2])
-    if math.isfinite(delta_sd):
+    if 0 < delta_sd < math.inf:
         loss += ((np.asarray(deltas) - delta) / delta_sd)[None, :] ** 2
     for k, m, w in points:
         loss += w * (grid[..., index[k]] - m) ** 2

@@ -8,10 +8,10 @@ time does not depend on the band, acceptance hardly on the batch size, so the tw
 
 ``T`` is the model policy's step-time posterior (every bucket's measurements); a band's
 acceptance is its own accepted drafts per request-step per arm where it has enough of them,
-else a chain (α, δ) through the arms it has run, shrunk towards the band's middle on the
-policy's pooled chain shape. Two arms run in a band set its own δ: acceptance that rises with
-depth, or falls off past a horizon, is followed instead of forced onto the default chain. One
-band's evidence serves every bucket, as the policy's acceptance already does.
+else a chain through the arms it has run, shrunk towards the band's middle, of the shape
+(δ) the policy's pooled acceptance fits: acceptance that rises with depth, or falls off past
+a horizon, is followed instead of forced onto the default chain. One band's evidence serves
+every bucket, as the policy's acceptance already does.
 
 A band's arm departs from its row's only on the row's greedy arm (an exploring row explores
 in every band), and by more than the switch margin. That holds where the row is off too: a
@@ -174,16 +174,16 @@ class BandBook:
         per_arm = self._acc[i]
         seen = {k: (acc / rs, rs) for k, (acc, rs) in per_arm.items() if rs > 0}
         total = sum(rs for _, rs in seen.values())
-        # The chain (α, δ) through the band's measured arms, weighed by evidence, with a prior
-        # of _PRIOR_REQUEST_STEPS request-steps spread over the arms at the default chain
-        # through the band's middle (a band is a range of acceptance: it says something
-        # before any data). Two arms measured pin δ too: a chain of the default δ fitted to
-        # a deep arm would misjudge a shallow one wherever acceptance is not that chain.
+        # The chain's α through the band's measured arms, weighed by evidence, with a prior of
+        # _PRIOR_REQUEST_STEPS request-steps spread over the arms at the chain through the
+        # band's middle (a band is a range of acceptance: it says something before any data).
+        # Its δ is the pooled fit's (set_delta): the shape the whole server shows, which one
+        # band's arms, run at different times on different requests, would only add noise to.
         drafting = [k for k in self.arms if k > 0]
         prior = [(k, chain_accepted(self.mid[i], self.delta, k),
                   _PRIOR_REQUEST_STEPS / len(drafting)) for k in drafting]
         alpha, delta = fit_chain(drafting, [*prior, *((k, m, rs) for k, (m, rs) in seen.items())],
-                                 self.delta)
+                                 self.delta, delta_sd=0)
         out = {0: 1.0}
         for k in per_arm:
             m, rs = seen.get(k, (0.0, 0.0))

@@ -74,17 +74,28 @@ def test_band_arms_stand_on_their_own_evidence_whatever_the_row_arm():
     assert off[3] == on[3]  # the same evidence, the same arm, whatever the row runs
 
 
-def test_a_band_measured_at_two_depths_follows_their_shape():
-    # Acceptance that falls off past the second position (a horizon): k = 5 runs most and
-    # accepts 2.06 drafts a request-step, k = 3 ran a little and accepted 1.93. A chain of the
-    # default δ through both would put k = 3 near 1.7; the two depths' own shape says 1.93.
+def test_a_band_takes_the_chain_shape_the_pooled_acceptance_fits():
+    # Acceptance that falls off past the second position (a horizon): in band 3, k = 5 ran
+    # most (2.06 accepted drafts a request-step) and k = 3 a little (1.93, too few
+    # request-steps to stand for itself). Through the default chain, k = 5's mean puts k = 3
+    # at 1.67; through the flatter shape the server's pooled acceptance shows, nearer its own.
     book = BandBook(EDGES, ARMS, 0.973)
     assert book.update(BandObservation(3, 5, 700, 700, round(2.06 * 700)), 1.0)
     assert book.update(BandObservation(3, 3, 130, 130, round(1.93 * 130)), 1.0)
+    default = book.emitted(3)[0][3]
+    book.set_delta(0.86)
     em, evidence = book.emitted(3)
-    assert evidence == 830
-    assert em[3] == pytest.approx(2.9, abs=0.05) and em[5] == pytest.approx(3.06, abs=0.05)
-    assert em[1] < em[3] < em[5]
+    assert evidence == 830 and em[5] == pytest.approx(3.06)
+    assert default < 2.7 < 2.75 < em[3]
+
+
+def test_the_bands_share_the_pooled_fit_of_the_chain_shape():
+    def accepted(k: int) -> float:  # 0.8 a position for two positions, then 0.4
+        return sum(0.8 ** min(i, 2) * 0.4 ** max(i - 2, 0) for i in range(1, k + 1))
+
+    p = trained(acc={k: accepted(k) for k in ARMS})
+    assert p.greedy_bands() is not None and p._bands is not None
+    assert p._delta < 0.95 and p._bands.delta == p._delta
 
 
 def cheap_drafts_low_acceptance() -> ModelPolicy:
