@@ -28,11 +28,7 @@ def expected_accepted(alpha: float, delta: float, k: int) -> float:
     """Mean accepted drafts per request-step at arm ``k`` (bonus token excluded)."""
     if not (0.0 <= alpha <= 1.0 and 0.0 <= delta <= 1.0):
         raise ValueError(f"alpha and delta must be in [0, 1], got {alpha}, {delta}")
-    total, p = 0.0, 1.0
-    for i in range(1, k + 1):
-        p *= alpha * delta ** (i - 1)
-        total += p
-    return total
+    return chain_accepted(alpha, delta, k)
 
 
 def expected_emitted(alpha: float, delta: float, k: int) -> float:
@@ -41,10 +37,10 @@ def expected_emitted(alpha: float, delta: float, k: int) -> float:
 
 
 def chain_accepted(alpha: float, delta: float, k: int) -> float:
-    """:func:`expected_accepted` for a chain whose ``δ`` may pass 1 (acceptance rising with
-    depth); each position's conditional acceptance ``α·δ^(i−1)`` is capped at 1."""
-    if not (0.0 <= alpha <= 1.0 and delta > 0.0):
-        raise ValueError(f"alpha must be in [0, 1] and delta positive, got {alpha}, {delta}")
+    """:func:`expected_accepted` for a chain whose ``δ`` may also pass 1 (acceptance rising
+    with depth); each position's conditional acceptance ``α·δ^(i−1)`` is capped at 1."""
+    if not (0.0 <= alpha <= 1.0 and delta >= 0.0):
+        raise ValueError(f"alpha must be in [0, 1] and delta non-negative, got {alpha}, {delta}")
     total, p = 0.0, 1.0
     for i in range(1, k + 1):
         p *= min(alpha * delta ** (i - 1), 1.0)

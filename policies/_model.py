@@ -316,7 +316,7 @@ class ModelPolicy(LearningPolicy):
                 m = min(max(acc / rs, 0.0), float(k))
                 sd = (k / 2) * math.sqrt(p.acceptance_corr / rs)
                 direct[k] = (m, sd)
-        alpha, alpha_sd = self._fit_alpha(direct)
+        alpha, alpha_sd, self._delta = self._fit_chain(direct)
         self._alpha = (alpha, alpha_sd)
         mean, sd = {0: 0.0}, {0: 0.0}
         for k in self.arms:
@@ -335,17 +335,16 @@ class ModelPolicy(LearningPolicy):
                 mean[k], sd[k] = m_model, sd_model
         return mean, sd
 
-    def _fit_alpha(self, direct: dict[int, tuple[float, float]]) -> tuple[float, float]:
-        """The chain model's α (and its standard error) fitted by least squares to the measured
-        means, and its δ: the default's unless two or more arms measured say otherwise."""
-        if not direct:
-            self._delta = self.params.chain_delta
-            return 0.7, 0.3  # nothing seen yet: a wide prior around typical EAGLE-3 chat
+    def _fit_chain(self, direct: dict[int, tuple[float, float]]
+                   ) -> tuple[float, float, float]:
+        """``(α, its standard error, δ)`` of the chain model, fitted by least squares to the
+        measured means: δ is the default's unless two or more arms measured say otherwise."""
+        if not direct:  # nothing seen yet: a wide prior around typical EAGLE-3 chat
+            return 0.7, 0.3, self.params.chain_delta
         drafting = [k for k in self.arms if k > 0]
         coarse, delta = fit_chain(drafting, [(k, m, 1 / (sd * sd + 1e-12))
                                         for k, (m, sd) in direct.items()],
                              self.params.chain_delta, _DELTA_PRIOR_SD)
-        self._delta = delta
 
         def loss(a: float) -> float:
             return sum(((m - chain_accepted(a, delta, k)) / sd) ** 2
@@ -372,7 +371,7 @@ class ModelPolicy(LearningPolicy):
         a0, a1, a2 = max(alpha - h, 0.0), alpha, min(alpha + h, 1.0)
         curv = (loss(a2) - 2 * loss(a1) + loss(a0)) / (h * h)
         sd = math.sqrt(2 / curv) if curv > 0 else 0.3
-        return alpha, min(sd, 0.3)
+        return alpha, min(sd, 0.3), delta
 
     def _step_times(self) -> StepTimePosterior:
         """Log step time per (bucket, arm): the cost model plus each cell's learned deviation
