@@ -60,6 +60,15 @@ def test_a_shortfall_inside_the_noise_is_unresolved_not_worse():
     assert not settled(rounds, ARMS, 0.02)
 
 
+def test_a_shortfall_past_the_tolerance_by_less_than_the_resolution_is_unresolved():
+    """Short by 3.4 %, resolved from no shortfall (resolution 2.7 %) but not from the 2 %
+    tolerance: an arm truly inside the tolerance can measure this, so it is not worse."""
+    rounds = rounds_with({0: 50, 1: 96.5, 3: 100}, [1, 2, 1.5, 3, 1.2] * 2, noise=0.027, seed=1)
+    v = compare(rounds, ARMS, 1, 0.02)
+    assert v.best == 3 and v.resolution < v.gap < 0.02 + v.resolution
+    assert v.verdict == "unresolved" and v.ok
+
+
 def test_the_learned_best_arm_is_within_and_an_unmeasured_arm_is_not_settled():
     rounds = rounds_with({0: 50, 1: 80, 3: 100}, [1, 2])
     assert compare(rounds, ARMS, 3, 0.02) == compare(rounds, ARMS, 3, 0.0)
