@@ -21,6 +21,9 @@
   arm is excluded by the model alone: an arm is tried about as often as the posterior gives
   it a chance of winning, which is small only where the data (not the model's shape) say
   so, so the policy saves exploration where the model fits and spends it where it does not.
+  A draw also heeds the goodput the bucket measured at the arm itself (the bandits' whole
+  evidence): where the model is unsure of an arm its own measurements have already judged,
+  they, not the model's doubt, decide how often it is tried.
 """
 
 from __future__ import annotations
@@ -168,6 +171,10 @@ class ModelPolicy(LearningPolicy):
         self._time = [{k: ArmStats() for k in self.arms} for _ in range(len(self.buckets))]
         self._occ = [[0.0, 0.0] for _ in range(len(self.buckets))]  # discounted steps, steps*b
         self._busy = [0.0] * len(self.buckets)  # busy seconds per bucket (its youth)
+        # Busy seconds in all, and their count when each (bucket, arm) last ran: the age of
+        # a bucket's own measurement of an arm, taken under the acceptance of its time.
+        self._clock = 0.0
+        self._ran_at = [dict.fromkeys(self.arms, 0.0) for _ in range(len(self.buckets))]
         self._pred: np.ndarray | None = None  # [bucket, arm] -> (mean, sd) of log goodput/req
         self._comp: tuple[StepTimePosterior, dict[int, float], dict[int, float]] | None = None
         self._alpha = (0.7, 0.3)  # chain-model α and its standard error
@@ -253,6 +260,8 @@ class ModelPolicy(LearningPolicy):
             t.decay(factor)
         self._time[j][obs.k].add(math.log(obs.busy_s / s), weight, weight / s, obs.b, s)
         self._busy[j] += obs.busy_s
+        self._clock += obs.busy_s
+        self._ran_at[j][obs.k] = self._clock
         if obs.k > 0:
             self._band_busy += obs.busy_s
         occ = self._occ[j]
@@ -474,7 +483,7 @@ class ModelPolicy(LearningPolicy):
         better through acceptance that the others do not share), and never past ``k + 1``.
         Step times are drawn jointly per bucket for the same reason."""
         t, em, em_sd = self._components()
-        p = self.params
+        p, pred, measured = self.params, self._predictions()[j], self._state[j].stats
         scale, gauss = p.sample_scale, self._rng.gauss
         alpha, alpha_sd = self._alpha
         drawn = min(max(alpha + scale * alpha_sd * gauss(0, 1), 0.0), 1.0)
@@ -486,6 +495,19 @@ class ModelPolicy(LearningPolicy):
             e = min(max(em[arm] + shift, 1.0), 1.0 + arm)
             lt = t.mean[j, ai] + scale * (float(log_t[ai]) - t.mean[j, ai])
             draw = math.log(e) - lt
+            own = measured[arm]
+            if own.seen:
+                # The goodput this bucket measured at the arm, as a second opinion: the draw
+                # moves to the posterior that holds both, its spread narrowed as much, so
+                # an arm the model is unsure of (acceptance seen only while exploring) is
+                # not explored past what its own measurements allow. It ages as acceptance
+                # does: a bucket back after minutes away measured it under another workload.
+                mean, sd = float(pred[ai, 0]), float(pred[ai, 1])
+                age = self._clock - self._ran_at[j][arm]
+                sd_own = self._mean_sd(own) * math.exp(min(age / (2 * p.acceptance_memory_s),
+                                                           50.0))  # ~0 weight past that
+                w = sd * sd / (sd * sd + sd_own * sd_own)
+                draw = mean + w * (own.mean - mean) + math.sqrt(1 - w) * (draw - mean)
             if draw > best_draw:
                 best_arm, best_draw = arm, draw
         return best_arm
