@@ -251,22 +251,42 @@ def test_an_arm_the_bucket_measured_poor_is_not_explored_on_the_models_doubt_alo
     # bucket's own goodput at those arms, measured over the same steps, says they lose; the
     # draws must heed it, and the unmeasured k = 3 is tried about once.
     buckets, j = Buckets(), Buckets().index(1)
-    p = make_policy("model", arms=ARMS, seed=seed)
-    assert isinstance(p, ModelPolicy)
-
-    def one(k: int, steps: int) -> Observation:
-        emitted = round(expected_emitted(0.45, DEFAULT_CHAIN_DELTA, k) * steps)
-        return Observation(1, k, steps, emitted, emitted - steps, k * steps,
-                           dear_step_s(k) * steps)
-
-    for i in range(60):
-        assert p.update(one(0, 100))
-        if i % 4 == 0:
-            assert p.update(one((1, 5)[i // 4 % 2], 10))
+    p = _explored_rarely(ARMS, seed)
     assert p.snapshot().chosen[j] == 0 and p._alpha[1] > 0.2  # α barely known
     drafted = 0
     for _ in range(200):
         k = buckets.arms_of(p.propose())[j]
         drafted += k > 0
-        p.update(one(k, 20))
+        p.update(dear_obs(k, 20))
     assert drafted <= 6, f"{drafted} of 200 decisions drafted"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_bucket_back_after_minutes_away_explores_on_the_models_doubt_again(seed):
+    # The same history, then five minutes of busy time at 64 requests: what the bucket of
+    # one request measured was measured under the acceptance of its time, so it ages as
+    # acceptance does, and the model's doubt decides again how often drafting is tried.
+    j = Buckets().index(1)
+    p = _explored_rarely((0, 1, 5), seed)
+    fresh = sum(p._sample(j, 0) > 0 for _ in range(400))
+    for _ in range(30):
+        assert p.update(dear_obs(0, 1000, b=64))
+    aged = sum(p._sample(j, 0) > 0 for _ in range(400))
+    assert fresh <= 20 and aged >= 40, (fresh, aged)
+
+
+def dear_obs(k: int, steps: int, b: int = 1) -> Observation:
+    emitted = round(expected_emitted(0.45, DEFAULT_CHAIN_DELTA, k) * steps * b)
+    return Observation(b, k, steps, emitted, emitted - steps * b, k * steps * b,
+                       dear_step_s(k) * steps)
+
+
+def _explored_rarely(arms: tuple[int, ...], seed: int) -> ModelPolicy:
+    """One request, k = 0 for a minute; 80 request-steps each at k = 1 and k = 5 between."""
+    p = make_policy("model", arms=arms, seed=seed)
+    assert isinstance(p, ModelPolicy)
+    for i in range(60):
+        assert p.update(dear_obs(0, 100))
+        if i % 4 == 0:
+            assert p.update(dear_obs((1, 5)[i // 4 % 2], 10))
+    return p
