@@ -171,9 +171,8 @@ class ModelPolicy(LearningPolicy):
         self._time = [{k: ArmStats() for k in self.arms} for _ in range(len(self.buckets))]
         self._occ = [[0.0, 0.0] for _ in range(len(self.buckets))]  # discounted steps, steps*b
         self._busy = [0.0] * len(self.buckets)  # busy seconds per bucket (its youth)
-        # Busy seconds in all, and their count when each (bucket, arm) last ran: the age of
+        # Busy seconds in all (the sum of _busy) when each (bucket, arm) last ran: the age of
         # a bucket's own measurement of an arm, taken under the acceptance of its time.
-        self._clock = 0.0
         self._ran_at = [dict.fromkeys(self.arms, 0.0) for _ in range(len(self.buckets))]
         self._pred: np.ndarray | None = None  # [bucket, arm] -> (mean, sd) of log goodput/req
         self._comp: tuple[StepTimePosterior, dict[int, float], dict[int, float]] | None = None
@@ -260,8 +259,7 @@ class ModelPolicy(LearningPolicy):
             t.decay(factor)
         self._time[j][obs.k].add(math.log(obs.busy_s / s), weight, weight / s, obs.b, s)
         self._busy[j] += obs.busy_s
-        self._clock += obs.busy_s
-        self._ran_at[j][obs.k] = self._clock
+        self._ran_at[j][obs.k] = sum(self._busy)
         if obs.k > 0:
             self._band_busy += obs.busy_s
         occ = self._occ[j]
@@ -484,6 +482,7 @@ class ModelPolicy(LearningPolicy):
         Step times are drawn jointly per bucket for the same reason."""
         t, em, em_sd = self._components()
         p, pred, measured = self.params, self._predictions()[j], self._state[j].stats
+        now = sum(self._busy)
         scale, gauss = p.sample_scale, self._rng.gauss
         alpha, alpha_sd = self._alpha
         drawn = min(max(alpha + scale * alpha_sd * gauss(0, 1), 0.0), 1.0)
@@ -503,7 +502,7 @@ class ModelPolicy(LearningPolicy):
                 # not explored past what its own measurements allow. It ages as acceptance
                 # does: a bucket back after minutes away measured it under another workload.
                 mean, sd = float(pred[ai, 0]), float(pred[ai, 1])
-                age = self._clock - self._ran_at[j][arm]
+                age = now - self._ran_at[j][arm]
                 sd_own = self._mean_sd(own) * math.exp(min(age / (2 * p.acceptance_memory_s),
                                                            50.0))  # ~0 weight past that
                 w = sd * sd / (sd * sd + sd_own * sd_own)
