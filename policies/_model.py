@@ -65,6 +65,13 @@ DEFAULT_ACCEPTANCE_MEMORY_STEPS = 5_000.0
 # step rate. A server that runs a few decode steps a second (a CPU server) would otherwise
 # remember the old acceptance for many minutes.
 DEFAULT_ACCEPTANCE_MEMORY_S = 30.0
+# Memory of a bucket's step times in its busy seconds, beside the learner's decode steps
+# (whichever forgets faster): a step time was measured under the conditions of its time
+# (the machine's load, the requests' context lengths and acceptance), and a cell measured
+# minutes ago against one measured now would compare two machines. At a GPU's step rate the
+# decode steps forget first; a CPU server, tens of steps a second, would otherwise hold an
+# arm's step time from minutes of another load against a fresh one of the next arm.
+DEFAULT_STEP_TIME_MEMORY_S = 60.0
 # Request-steps per independent acceptance sample. A request keeps its α for its whole life,
 # so request-steps are not independent; but requests differ far less (α ~ Beta, κ ≈ 20)
 # than single steps do, and 30 matches the spread of per-window means in the simulator.
@@ -98,6 +105,8 @@ class ModelParams(LearnerParams):
         acceptance_memory_steps: ... and in decode steps (both discount).
         acceptance_memory_s: ... and in busy seconds (the shortest of the three counts).
         acceptance_corr: request-steps per independent acceptance sample (>= 1).
+        step_time_memory_s: memory of a bucket's step times in its busy seconds (the
+            learner's ``memory_steps`` counts too: the shorter forgets).
         chain_delta: per-position decay δ of the chain model, in (0, 1], before arms of two
             depths say otherwise (the fitted δ may then pass 1: acceptance rising with depth).
         sample_scale: posterior draws are scaled by this.
@@ -114,6 +123,7 @@ class ModelParams(LearnerParams):
     acceptance_memory_steps: float = DEFAULT_ACCEPTANCE_MEMORY_STEPS
     acceptance_memory_s: float = DEFAULT_ACCEPTANCE_MEMORY_S
     acceptance_corr: float = DEFAULT_ACCEPTANCE_CORR
+    step_time_memory_s: float = DEFAULT_STEP_TIME_MEMORY_S
     chain_delta: float = DEFAULT_CHAIN_DELTA
     sample_scale: float = DEFAULT_MODEL_SAMPLE_SCALE
     zero_arm_sd: float = DEFAULT_ZERO_ARM_SD
@@ -128,6 +138,8 @@ class ModelParams(LearnerParams):
             _require(getattr(self, name) >= 1, name, ">= 1 (or inf)", getattr(self, name))
         _require(self.acceptance_memory_s > 0, "acceptance_memory_s", "positive (or inf)",
                  self.acceptance_memory_s)
+        _require(self.step_time_memory_s > 0, "step_time_memory_s", "positive (or inf)",
+                 self.step_time_memory_s)
         _require(1 <= self.acceptance_corr < math.inf, "acceptance_corr", ">= 1 and finite",
                  self.acceptance_corr)
         _require(0 < self.chain_delta <= 1, "chain_delta", "in (0, 1]", self.chain_delta)
@@ -255,8 +267,9 @@ class ModelPolicy(LearningPolicy):
     def _observed(self, j: int, obs: Observation, r: float, weight: float) -> None:
         s = int(obs.decode_steps)
         factor = self._gamma**s
+        aged = min(factor, math.exp(-obs.busy_s / self.params.step_time_memory_s))
         for t in self._time[j].values():
-            t.decay(factor)
+            t.decay(aged)
         self._time[j][obs.k].add(math.log(obs.busy_s / s), weight, weight / s, obs.b, s)
         self._busy[j] += obs.busy_s
         self._ran_at[j][obs.k] = sum(self._busy)

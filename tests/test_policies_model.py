@@ -290,3 +290,32 @@ def _explored_rarely(arms: tuple[int, ...], seed: int) -> ModelPolicy:
         if i % 4 == 0:
             assert p.update(dear_obs((1, 5)[i // 4 % 2], 10))
     return p
+
+
+def test_a_step_time_measured_minutes_ago_gives_way_to_a_fresh_one():
+    # Three requests, k = 1 timed at 20 ms while the machine was loaded; then three minutes
+    # of k = 0 at 12 ms, and k = 1 tried again for 150 steps at 14 ms. Counted in decode
+    # steps alone the old 1,800 steps would still outweigh the fresh ones (k = 1 ~19 ms,
+    # behind k = 0 at this acceptance); in the bucket's busy seconds they have aged out.
+    p = make_policy("model", arms=(0, 1, 3), seed=0)
+    assert isinstance(p, ModelPolicy)
+    j = Buckets().index(4)
+
+    def ran(k: int, steps: int, step_s: float) -> None:
+        emitted = 4 * steps + (round(0.6 * 4 * steps) if k else 0)
+        assert p.update(Observation(4, k, steps, emitted, emitted - 4 * steps, 4 * k * steps,
+                                    step_s * steps))  # fmt: skip
+
+    for _ in range(60):
+        ran(1, 30, 0.020)
+    for _ in range(300):
+        ran(0, 50, 0.012)
+    for _ in range(5):
+        ran(1, 30, 0.014)
+    k1_ms = 1000 * math.exp(p._components()[0].mean[j, 1])
+    assert k1_ms < 17.0, f"k = 1 predicted at {k1_ms:.1f} ms"
+
+
+def test_step_time_memory_is_validated():
+    with pytest.raises(ValueError, match="step_time_memory_s"):
+        make_policy("model", arms=ARMS, step_time_memory_s=0.0)
