@@ -68,9 +68,9 @@ DEFAULT_ACCEPTANCE_MEMORY_S = 30.0
 # Memory of a bucket's step times in its busy seconds, beside the learner's decode steps
 # (whichever forgets faster): a step time was measured under the conditions of its time
 # (the machine's load, the requests' context lengths and acceptance), and a cell measured
-# minutes ago against one measured now would compare two machines. At a GPU's step rate the
-# decode steps forget first; a CPU server, tens of steps a second, would otherwise hold an
-# arm's step time from minutes of another load against a fresh one of the next arm.
+# minutes ago against one measured now would compare two machines. 20,000 steps are two
+# minutes at a GPU's 6 ms steps and more at larger batches; on a CPU server, tens of steps a
+# second, they were minutes of another load held against a fresh measurement of the next arm.
 DEFAULT_STEP_TIME_MEMORY_S = 60.0
 # Request-steps per independent acceptance sample. A request keeps its α for its whole life,
 # so request-steps are not independent; but requests differ far less (α ~ Beta, κ ≈ 20)
