@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 
 from policies._base import ArmEstimate, BasePolicy, Buckets, Observation, PolicySnapshot, Table
 from policies._guard import guard_check
-from policies._stats import ArmStats, reward
+from policies._stats import ArmStats, forgetting, reward
 
 __all__ = [
     "DEFAULT_EXPLORE_ALLOWANCE_STEPS",
@@ -258,7 +258,7 @@ class LearningPolicy(BasePolicy):
         factor = self._gamma**s
         for arm_stats in st.stats.values():
             arm_stats.decay(factor)
-        recent = min(self._guard_gamma**s, math.exp(-obs.busy_s / p.guard_memory_s))
+        recent = forgetting(self._guard_gamma**s, obs.busy_s, p.guard_memory_s)
         for arm_stats in st.recent.values():
             arm_stats.decay(recent)
         if st.steps >= p.explore_allowance_steps:

@@ -38,7 +38,7 @@ from policies._acceptance import ALPHAS, chain_accepted, fit_chain
 from policies._banded import BandBook, BandObservation, BandTable, band_table
 from policies._base import ArmEstimate, Observation
 from policies._learning import LearnerParams, LearningPolicy, _require
-from policies._stats import ArmStats
+from policies._stats import ArmStats, forgetting
 from policies._steptime import (
     DEFAULT_ZERO_ARM_SD,
     Cell,
@@ -267,7 +267,7 @@ class ModelPolicy(LearningPolicy):
     def _observed(self, j: int, obs: Observation, r: float, weight: float) -> None:
         s = int(obs.decode_steps)
         factor = self._gamma**s
-        aged = min(factor, math.exp(-obs.busy_s / self.params.step_time_memory_s))
+        aged = forgetting(factor, obs.busy_s, self.params.step_time_memory_s)
         for t in self._time[j].values():
             t.decay(aged)
         self._time[j][obs.k].add(math.log(obs.busy_s / s), weight, weight / s, obs.b, s)
@@ -283,8 +283,8 @@ class ModelPolicy(LearningPolicy):
             # be learned, and forgetting would only buy exploration of arms the last evidence
             # rules out.
             req_steps = s * obs.b
-            f = self._acc_gamma_rs**req_steps * self._acc_gamma_s**s
-            f = min(f, math.exp(-obs.busy_s / self.params.acceptance_memory_s))
+            f = forgetting(self._acc_gamma_rs**req_steps * self._acc_gamma_s**s, obs.busy_s,
+                           self.params.acceptance_memory_s)
             fast = _FAST_GAMMA**s
             for acc, quick in zip(self._acc.values(), self._acc_fast.values(), strict=True):
                 acc[0] *= f

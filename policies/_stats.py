@@ -17,7 +17,14 @@ from dataclasses import dataclass
 
 from policies._base import Observation
 
-__all__ = ["ArmStats", "reward"]
+__all__ = ["ArmStats", "forgetting", "reward"]
+
+
+def forgetting(per_steps: float, busy_s: float, memory_s: float) -> float:
+    """The discount of one observation: ``per_steps`` (its decode steps' discount) or, where
+    that forgets more slowly, its busy seconds' against a memory of ``memory_s``. A server
+    that runs a few decode steps a second would otherwise remember for many minutes."""
+    return min(per_steps, math.exp(-busy_s / memory_s))
 
 
 def reward(obs: Observation) -> float:

@@ -81,6 +81,11 @@ class Rounds:
         self.cpu[r][pinned] = self.cpu[r].get(pinned, Tally()) + Tally(emitted, cpu_s)
 
 
+def daemon_args(server, db, *extra: str) -> list[str]:
+    """``dynspec-tuner run`` against ``server`` with the test's buckets, history in ``db``."""
+    return tuner_args(server, db, "--buckets", ",".join(map(str, EDGES)), *extra)
+
+
 def measure_level(server, level: int, bucket: int) -> Rounds:
     """Rounds at one concurrency level until every verdict is settled (after MIN_ROUNDS) or
     LEVEL_MAX_S has passed."""
@@ -112,9 +117,7 @@ def measure_arms(server, workdir, name: str) -> dict[int, Rounds]:
     machine its readouts every half second and its own CPU slow the server's steps (in one
     run, k = 3's steps took 1.53 times k = 1's while the daemon ran, 1.67 times in a
     measurement without it)."""
-    args = tuner_args(server, workdir / f"{name}.db", "--buckets", ",".join(map(str, EDGES)),
-                      "--dry-run")  # fmt: skip
-    with Tuner(args, workdir / f"{name}.log"):
+    with Tuner(daemon_args(server, workdir / f"{name}.db", "--dry-run"), workdir / f"{name}.log"):
         return {bucket: measure_level(server, level, bucket) for level, bucket in LEVELS.items()}
 
 
@@ -236,8 +239,7 @@ def test_the_learned_table_matches_the_measured_best_arm(plugin_server, workdir,
     set_alpha(url, ALPHAS[0])
     measured = {ALPHAS[0]: measure_arms(learn_server, workdir, "measure-before")}
     log_path = workdir / "daemon-learning.log"
-    args = tuner_args(learn_server, workdir / "learning.db", "--buckets",
-                      ",".join(map(str, EDGES)))  # fmt: skip
+    args = daemon_args(learn_server, workdir / "learning.db")
     tables, settled = {}, None
     with Tuner(args, log_path) as tuner:
         for i, alpha in enumerate(ALPHAS):
