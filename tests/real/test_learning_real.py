@@ -61,22 +61,27 @@ def set_alpha(url: str, alpha: float) -> None:
 class Rounds:
     """One level's rounds: per round and arm, the counters' deltas in the level's bucket
     (``busy``) and, per slice, all tokens emitted over the scheduler's CPU seconds (``cpu``:
-    a Tally whose busy_s holds CPU seconds), attributed to the arm pinned in that slice."""
+    a Tally whose busy_s holds CPU seconds), attributed to the arm pinned in that slice;
+    ``per_b`` splits ``busy`` by batch size, for the figures only (an arm that finishes
+    requests in fewer steps spends more of a level's steps below its concurrency)."""
 
     def __init__(self) -> None:
         self.busy: list[dict[int, Tally]] = []
         self.cpu: list[dict[int, Tally]] = []
+        self.per_b: list[dict[tuple[int, int], Tally]] = []
 
     def add(self, r: int, bucket: int, pinned: int, deltas, cpu_s: float) -> None:
         while len(self.busy) <= r:
             self.busy.append({})
             self.cpu.append({})
+            self.per_b.append({})
         for d in deltas:
             # Steps still in flight on the previous arm when a slice starts count for it.
             if bucket_of(d.b) == bucket:
                 t = Tally(d.emitted_tokens, d.busy_s, d.decode_steps, d.accepted_drafts,
                           d.drafted_tokens)  # fmt: skip
                 self.busy[r][d.k] = self.busy[r].get(d.k, Tally()) + t
+                self.per_b[r][(d.b, d.k)] = self.per_b[r].get((d.b, d.k), Tally()) + t
         emitted = sum(d.emitted_tokens for d in deltas)
         self.cpu[r][pinned] = self.cpu[r].get(pinned, Tally()) + Tally(emitted, cpu_s)
 
@@ -173,7 +178,9 @@ def judge(measured: dict[int, Rounds], table) -> list[dict]:
             "cpu": {"best": cpu.best, "gap": cpu.gap, "paired_se": cpu.se,
                     "verdict": cpu.verdict, "arms": arm_figures(rounds.cpu, ARMS),
                     "vs_best": {k: log_ratio(rounds.cpu, k, cpu.best) for k in ARMS}},
-            "raw": {"busy": _raw(rounds.busy), "cpu": _raw(rounds.cpu)},
+            "raw": {"busy": _raw(rounds.busy), "cpu": _raw(rounds.cpu),
+                    "per_b": [{f"{b},{k}": [t.emitted, round(t.busy_s, 6), t.steps]
+                               for (b, k), t in sorted(r.items())} for r in rounds.per_b]},
         })  # fmt: skip
     return rows
 
