@@ -474,8 +474,7 @@ class ModelPolicy(LearningPolicy):
     def _explore(self, j: int, greedy: int) -> int:
         """While the bucket is young (its first ``young_steps`` and ``young_s``), measure the arm
         whose optimistic value (mean + ``optimism`` sd) is highest: each plausible arm once,
-        early, where a measurement is worth most; but an arm no bucket ever ran goes first if
-        its optimistic value reaches the greedy arm's mean. Afterwards, posterior sampling."""
+        early, where a measurement is worth most. Afterwards, posterior sampling."""
         p, st = self.params, self._state[j]
         young = st.steps < p.young_steps and self._busy[j] < p.young_s
         if young and p.optimism > 0:
@@ -485,16 +484,7 @@ class ModelPolicy(LearningPolicy):
                 lt = t.mean[j, ai] - p.optimism * t.sd[j, ai]
                 e = min(em[arm] + p.optimism * em_sd[arm], 1.0 + arm)
                 values.append(math.log(e) - lt)
-            # The highest optimistic value alone can keep one arm in front for the whole of
-            # youth, and an arm no bucket ran is then predicted by the cost model's shape in
-            # k alone, which nothing has tested: on a CPU server k = 1 cost 1.1x k = 0 and
-            # k = 3 1.8x; the model, linear in k, put k = 1 at 1.3x, never ran it, and k = 1
-            # was best by 8 %. One dwell of such an arm anywhere puts it in the fit.
-            bar = float(self._predictions()[j, self.arms.index(greedy), 0])
-            untried = [ai for ai, arm in enumerate(self.arms) if values[ai] >= bar
-                       and not any(s.stats[arm].steps for s in self._state)]  # fmt: skip
-            pool = untried or range(len(self.arms))
-            ai = max(pool, key=lambda i: (values[i], -self.arms[i]))
+            ai = max(range(len(self.arms)), key=lambda i: (values[i], -self.arms[i]))
             return self.arms[ai]
         return self._sample(j, greedy)
 

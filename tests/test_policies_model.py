@@ -319,28 +319,3 @@ def test_a_step_time_measured_minutes_ago_gives_way_to_a_fresh_one():
 def test_step_time_memory_is_validated():
     with pytest.raises(ValueError, match="step_time_memory_s"):
         make_policy("model", arms=ARMS, step_time_memory_s=0.0)
-
-
-def test_youth_measures_each_plausible_arm_not_only_the_most_optimistic():
-    # One request on a CPU server (the real tier's): k = 1 costs little over k = 0, k = 3 much
-    # more, so step time is not linear in k. Youth measured k = 0 and k = 3; the model,
-    # linear in k, put k = 1 at 1.3x k = 0 and k = 3 stayed the most optimistic arm, so k = 1,
-    # the best arm, never ran.
-    step = {0: 0.0064, 1: 0.0069, 3: 0.0115}
-
-    def run(k: int, steps: int = 70) -> Observation:
-        emitted = round(expected_emitted(0.8, DEFAULT_CHAIN_DELTA, k) * steps)
-        return Observation(1, k, steps, emitted, emitted - steps, k * steps, step[k] * steps)
-
-    p = make_policy("model", arms=(0, 1, 3), seed=0)
-    assert isinstance(p, ModelPolicy)
-    j = Buckets().index(1)
-    st = p._state[j]
-    assert max((0, 1, 3), key=lambda k: run(k).goodput) == 1
-    p.update(run(0))  # what the server ran when the daemon came
-    while st.steps < p.params.young_steps and p._busy[j] < p.params.young_s:
-        table = p.propose()
-        k = next(k for bound, k in table if bound is None or bound >= 1)
-        p.update(run(k))
-    assert st.stats[1].steps > 0
-    assert p.snapshot().chosen[j] == 1
