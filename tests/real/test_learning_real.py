@@ -181,14 +181,15 @@ def judge(measured: dict[int, Rounds], table) -> list[dict]:
                     "verdict": cpu.verdict, "arms": arm_figures(rounds.cpu, ARMS),
                     "vs_best": {k: log_ratio(rounds.cpu, k, cpu.best) for k in ARMS}},
             "raw": {"busy": _raw(rounds.busy), "cpu": _raw(rounds.cpu),
-                    "per_b": [{f"{b},{k}": [t.emitted, round(t.busy_s, 6), t.steps]
-                               for (b, k), t in sorted(r.items())} for r in rounds.per_b]},
+                    "per_b": _raw(rounds.per_b)},
         })  # fmt: skip
     return rows
 
 
 def _raw(rounds) -> list[dict]:
-    return [{k: [t.emitted, round(t.busy_s, 6), t.steps] for k, t in sorted(r.items())}
+    """Per round, ``[emitted, busy_s, steps]`` per arm (or per ``"b,k"`` for ``per_b``)."""
+    return [{",".join(map(str, k)) if isinstance(k, tuple) else k:
+             [t.emitted, round(t.busy_s, 6), t.steps] for k, t in sorted(r.items())}
             for r in rounds]  # fmt: skip
 
 
