@@ -25,6 +25,13 @@ next arm up before the probe's result is in). So a row that is off lets its band
 where, weighed by how often the bucket's batches sit in each band (its occupancy, any arm),
 the drafting bands gain more than the probes cost. A band of high acceptance that batches of
 that size never reach buys nothing and would cost the probes.
+
+Occupancy forgets with the bucket's busy time, whatever arm runs: a row that is off measures
+no band, so what it knows of where its batches sit is what the requests of its last drafting
+said. At one request those may be one or two requests of low acceptance, long gone; held for
+good, they would keep the row off for good. Once they have faded the bands' spread returns to
+its prior (every bucket's counts, and before them every band alike), the bands of high
+acceptance draft again, and the probes measure where the batches of now sit.
 """
 
 from __future__ import annotations
@@ -51,7 +58,8 @@ _PRIOR_REQUEST_STEPS = 100.0
 _STALE_STEPS = 32
 _PROBE_STEPS = 2
 # Decode steps of a bucket's own band occupancy that weigh as much as the pooled occupancy of
-# every bucket, its prior (a bucket never seen takes the others' spread of bands).
+# every bucket, its prior (a bucket never seen takes the others' spread of bands); the pool's
+# own prior, every band alike, weighs as much.
 _PRIOR_OCCUPANCY_STEPS = 64.0
 
 
@@ -135,12 +143,20 @@ class BandBook:
         cell[obs.band - 1] += obs.decode_steps
         return True
 
+    def age_occupancy(self, bucket: int, discount: float) -> None:
+        """Age ``bucket``'s occupancy by ``discount``, for busy time at any arm (see the
+        module docstring: a row that is off measures no band)."""
+        cell = self._occ.get(bucket)
+        if cell is not None:
+            for i in range(self.bands):
+                cell[i] *= discount
+
     def occupancy(self, bucket: int) -> list[float]:
         """The share of ``bucket``'s steps in each known band: its own counts, shrunk towards
-        every bucket's pooled counts (uniform before there are any)."""
+        every bucket's pooled counts, and those towards every band alike."""
         pool = [sum(c[i] for c in self._occ.values()) for i in range(self.bands)]
-        total = sum(pool)
-        prior = [p / total for p in pool] if total > 0 else [1 / self.bands] * self.bands
+        total = sum(pool) + _PRIOR_OCCUPANCY_STEPS
+        prior = [(p + _PRIOR_OCCUPANCY_STEPS / self.bands) / total for p in pool]
         own = self._occ.get(bucket, [0.0] * self.bands)
         n = sum(own) + _PRIOR_OCCUPANCY_STEPS
         return [(o + _PRIOR_OCCUPANCY_STEPS * q) / n for o, q in zip(own, prior, strict=True)]

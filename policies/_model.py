@@ -275,6 +275,8 @@ class ModelPolicy(LearningPolicy):
         self._ran_at[j][obs.k] = sum(self._busy)
         if obs.k > 0:
             self._band_busy += obs.busy_s
+        if self._bands is not None:  # where batches sit forgets as acceptance does, in time
+            self._bands.age_occupancy(j, math.exp(-obs.busy_s / self.params.acceptance_memory_s))
         occ = self._occ[j]
         occ[0] = occ[0] * factor + s
         occ[1] = occ[1] * factor + s * obs.b

@@ -143,6 +143,27 @@ def test_a_row_that_is_off_drafts_only_in_bands_its_batches_reach():
     assert row_at(p, 16)[4] > 0
 
 
+def test_an_off_row_forgets_where_its_batches_sat_and_drafts_again():
+    """A row that is off measures no band: the requests that put every step in band 1 are
+    long gone after minutes at k = 0, so the row's occupancy forgets them (the bucket's busy
+    time, any arm) and its bands of high acceptance draft again, probes and all."""
+    p = cheap_drafts_low_acceptance()
+    feed_band(p, 1, 1, 0.1)
+    feed_band(p, 4, 3, 0.95)
+    assert not p.update_bands(BandObservation(1, 0, 2000, 32000, 0))
+    assert row_at(p, 16) == (0,) * 5
+
+    def off_for(seconds: float) -> None:
+        n = round(seconds / step_s(16, 0))
+        p.update(Observation(16, 0, n, 16 * n, 0, 0, n * step_s(16, 0)))
+
+    off_for(5.0)  # a few seconds: still where the batches sat
+    assert row_at(p, 16) == (0,) * 5
+    for _ in range(10):
+        off_for(30.0)  # minutes off: the evidence is gone, the bands' spread is the prior
+    assert row_at(p, 16)[4] > 0
+
+
 def test_the_probe_rule_matches_the_plugin():
     from policies._banded import _STALE_STEPS
     from tuner.plugin.acceptance import STALE_STEPS
