@@ -34,7 +34,7 @@ def test_sweep_against_the_simulator_pins_arms_restores_the_table_and_writes_out
         before = client.read_state()[0]
         rc = main([
             "sweep", "--server", address, "--concurrency", "1,8",
-            "--arms", "0,3", "--max-tokens", "48", "--per-level", "1", "--warmup", "0.1",
+            "--arms", "0,3", "--max-tokens", "48", "--per-level", "2", "--warmup", "0.1",
             "--db", db, "--out", str(out), "--study", "t",
         ])
         after = client.read_state()[0]
@@ -51,8 +51,10 @@ def test_sweep_against_the_simulator_pins_arms_restores_the_table_and_writes_out
     for cell in doc["cells"]:
         if cell["arm"] != "table":
             assert set(cell["server"]["steps_by_arm"]) == {str(cell["arm"])}
-    # On this profile no drafting wins by 40 % at eight requests (the oracle's margin is far
-    # above what this fast, short-request test can blur; one request is left to the benchmark).
+    # On this profile no drafting wins by 40 % at eight requests (the oracle's margin; the
+    # client's tokens per wall second show 28-37 % in 1-2 s windows, and a stall of a few
+    # hundred ms in one window costs it as much: hence 2 s per level, not 1; one request is
+    # left to the benchmark).
     assert doc["best"]["8"] == 0 and set(doc["best"]) == {"1", "8"}
     assert out.with_suffix(".txt").read_text().startswith("dynspec-tuner sweep of")
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
