@@ -137,19 +137,16 @@ class BandBook:
         the bucket's occupancy by ``discount``."""
         if obs.problem() is not None or not 1 <= obs.band <= self.bands or obs.decode_steps == 0:
             return False
-        cell = self._occ.setdefault(bucket, [0.0] * self.bands)
-        for i in range(self.bands):
-            cell[i] *= discount
-        cell[obs.band - 1] += obs.decode_steps
+        self.age_occupancy(bucket, discount)
+        self._occ.setdefault(bucket, [0.0] * self.bands)[obs.band - 1] += obs.decode_steps
         return True
 
     def age_occupancy(self, bucket: int, discount: float) -> None:
-        """Age ``bucket``'s occupancy by ``discount``, for busy time at any arm (see the
-        module docstring: a row that is off measures no band)."""
+        """Age ``bucket``'s occupancy by ``discount``: per step in :meth:`occupy`, and per
+        busy second at any arm (see the module docstring: a row that is off measures no band)."""
         cell = self._occ.get(bucket)
         if cell is not None:
-            for i in range(self.bands):
-                cell[i] *= discount
+            cell[:] = [n * discount for n in cell]
 
     def occupancy(self, bucket: int) -> list[float]:
         """The share of ``bucket``'s steps in each known band: its own counts, shrunk towards
