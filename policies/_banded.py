@@ -61,34 +61,44 @@ _PROBE_STEPS = 2
 # every bucket, its prior (a bucket never seen takes the others' spread of bands); the pool's
 # own prior, every band alike, weighs as much.
 _PRIOR_OCCUPANCY_STEPS = 64.0
+# The δ a band's measured shape may take: the chain fit's grid (policies._acceptance.DELTAS)
+# and a little beyond.
+_DELTA_LOW, _DELTA_HIGH = 0.7, 1.3
 
 
 @dataclass(frozen=True, slots=True)
 class BandObservation:
-    """Drafting in one known acceptance band (1..) at arm ``k`` over one interval."""
+    """Drafting in one known acceptance band (1..) at arm ``k`` over one interval; of its
+    request-steps, ``first_rejected`` of the ``first_counted`` looked at accepted no draft."""
 
     band: int
     k: int
     decode_steps: int
     request_steps: int
     accepted_drafts: int
+    first_counted: int = 0
+    first_rejected: int = 0
 
     def problem(self) -> str | None:
         """Why this observation must not reach a policy, or None if it is usable."""
         if min(self.band, self.k, self.decode_steps, self.request_steps,
-               self.accepted_drafts) < 0:
+               self.accepted_drafts, self.first_counted, self.first_rejected) < 0:
             return "negative counter"
         if self.accepted_drafts > self.k * self.request_steps:
             return "more accepted drafts than drafted"
+        if self.first_rejected > self.first_counted or self.first_counted > self.request_steps:
+            return "more first-draft rejections than requests"
         return None
 
 
 def band_observations(rows: Iterable[Any]) -> list[BandObservation]:
     """Band counter rows (anything with ``band``, ``k``, ``decode_steps``, ``requests`` and
-    ``accepted_drafts``, e.g. ``tuner.protocol.BandCounter`` deltas) as observations: the
-    known bands' steps (the unknown band says nothing of a band). Steps at ``k = 0`` count
-    only for the band's occupancy; they say nothing of its acceptance."""
-    return [BandObservation(r.band, r.k, r.decode_steps, r.requests, r.accepted_drafts)
+    ``accepted_drafts``, and optionally ``first_counted`` and ``first_rejected``, e.g.
+    ``tuner.protocol.BandCounter`` deltas) as observations: the known bands' steps (the
+    unknown band says nothing of a band). Steps at ``k = 0`` count only for the band's
+    occupancy; they say nothing of its acceptance."""
+    return [BandObservation(r.band, r.k, r.decode_steps, r.requests, r.accepted_drafts,
+                            getattr(r, "first_counted", 0), getattr(r, "first_rejected", 0))
             for r in rows if r.band > 0 and r.decode_steps > 0]
 
 
@@ -104,6 +114,11 @@ class BandBook:
         self.arms, self.delta = tuple(arms), delta
         # per known band (index band - 1), per arm k > 0: discounted accepted, request-steps
         self._acc = [{k: [0.0, 0.0] for k in self.arms if k > 0} for _ in self.mid]
+        # per (band, arm k > 1) where first drafts are counted: accepted, request-steps, and
+        # those that accepted no draft (the shape: see shape())
+        self._first = {(i, k): [0.0, 0.0, 0.0] for i in range(len(self.mid))
+                       for k in self.arms if k > 1}
+        self._shape = delta
         # per bucket: discounted decode steps in each known band, at any arm
         self._occ: dict[int, list[float]] = {}
         self._emitted: list[tuple[dict[int, float], float]] | None = None
@@ -113,12 +128,14 @@ class BandBook:
         return len(self.mid)
 
     def set_delta(self, delta: float) -> None:
-        """The chain δ a band's prior takes: the policy's pooled fit, shared by every band."""
+        """The policy's pooled fit of the chain's δ: the bands' shape until they measure
+        their own (:meth:`shape`), and its prior after."""
         if delta != self.delta:
             self.delta, self._emitted = delta, None
 
-    def update(self, obs: BandObservation, discount: float) -> bool:
-        """Count one observation, after ageing everything by ``discount``."""
+    def update(self, obs: BandObservation, discount: float, shape_discount: float = 1.0) -> bool:
+        """Count one observation, after ageing the acceptance by ``discount`` and the shape's
+        evidence by ``shape_discount``."""
         if (obs.problem() is not None or not 1 <= obs.band <= self.bands
                 or obs.k not in self.arms or obs.k == 0 or obs.request_steps == 0):
             return False
@@ -129,6 +146,13 @@ class BandBook:
         cell = self._acc[obs.band - 1][obs.k]
         cell[0] += obs.accepted_drafts
         cell[1] += obs.request_steps
+        if obs.first_counted and obs.k > 1:
+            for first in self._first.values():
+                first[:] = [x * shape_discount for x in first]
+            first = self._first[(obs.band - 1, obs.k)]
+            first[0] += obs.accepted_drafts * obs.first_counted / obs.request_steps
+            first[1] += obs.first_counted
+            first[2] += obs.first_rejected
         self._emitted = None
         return True
 
@@ -176,11 +200,44 @@ class BandBook:
                 seconds += q * time[probe]
         return tokens / seconds > 1.0 / time[0]
 
+    def shape(self) -> float:
+        """The chain δ every band's α is fitted on: the smaller of the pooled fit
+        (:meth:`set_delta`) and the shape measured on the requests themselves.
+
+        Of a band's steps at an arm of two drafts or more, the share of requests that
+        accepted no draft gives the first draft's acceptance α, and the accepted drafts per
+        request-step then the δ of the chain through it; the pooled fit is its prior, of
+        :data:`_PRIOR_REQUEST_STEPS` request-steps a draft past the first. Both estimates
+        read acceptance that rises with depth where a mixture of requests reaches the deep
+        positions on its requests of high acceptance. The pooled fit also reads it from the
+        bands a banded row runs its deep arm in (the requests of high acceptance), which the
+        measured shape does not, since its α and its accepted drafts come from the same
+        steps; so the smaller of the two is the less inflated.
+        """
+        if self._emitted is None:
+            self._refit()
+        return self._shape
+
+    def _refit(self) -> None:
+        num, den = self.delta * _PRIOR_REQUEST_STEPS, _PRIOR_REQUEST_STEPS
+        for (_, k), (acc, rs, rejected) in self._first.items():
+            if rs <= 0:
+                continue
+            alpha, mean = 1.0 - rejected / rs, acc / rs
+            if not 0.0 < alpha < 1.0:
+                continue  # every request or none accepted its first draft: no shape in it
+            weight = rs * (k - 1)
+            num += weight * _chain_delta(alpha, mean, k)
+            den += weight
+        self._shape = min(num / den, self.delta)
+        self._emitted = [self._fit(i) for i in range(self.bands)]
+
     def emitted(self, band: int) -> tuple[dict[int, float], float]:
         """Mean emitted tokens per request-step per arm in ``band``, and the band's
         request-steps of evidence."""
         if self._emitted is None:
-            self._emitted = [self._fit(i) for i in range(self.bands)]
+            self._refit()
+        assert self._emitted is not None
         return self._emitted[band - 1]
 
     def _fit(self, i: int) -> tuple[dict[int, float], float]:
@@ -190,13 +247,13 @@ class BandBook:
         # The chain's α through the band's measured arms, weighed by evidence, with a prior of
         # _PRIOR_REQUEST_STEPS request-steps spread over the arms at the chain through the
         # band's middle (a band is a range of acceptance: it says something before any data).
-        # Its δ is the pooled fit's (set_delta): the shape the whole server shows, which one
-        # band's arms, run at different times on different requests, would only add noise to.
+        # Its δ is every band's (shape()): one band's arms alone, run at different times on
+        # different requests, would fit mostly noise.
         drafting = [k for k in self.arms if k > 0]
-        prior = [(k, chain_accepted(self.mid[i], self.delta, k),
+        prior = [(k, chain_accepted(self.mid[i], self._shape, k),
                   _PRIOR_REQUEST_STEPS / len(drafting)) for k in drafting]
         alpha, delta = fit_chain(drafting, [*prior, *((k, m, rs) for k, (m, rs) in seen.items())],
-                                 self.delta, delta_sd=0)
+                                 self._shape, delta_sd=0)
         out = {0: 1.0}
         for k in per_arm:
             m, rs = seen.get(k, (0.0, 0.0))
@@ -214,6 +271,19 @@ class BandBook:
             best = max(self.arms, key=lambda k: (value[k], -k))
             out.append(best if value[best] > value[row_arm] + margin else row_arm)
         return tuple(out)
+
+
+def _chain_delta(alpha: float, mean: float, k: int) -> float:
+    """The δ in [_DELTA_LOW, _DELTA_HIGH] whose chain from ``alpha`` accepts ``mean`` drafts
+    of ``k`` on average (bisection: the chain's mean rises with δ)."""
+    lo, hi = _DELTA_LOW, _DELTA_HIGH
+    for _ in range(24):
+        mid = (lo + hi) / 2
+        if chain_accepted(alpha, mid, k) < mean:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
 
 
 def band_table(bounds: Sequence[int | None], rows: Sequence[tuple[int, ...]]) -> BandTable:

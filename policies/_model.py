@@ -223,7 +223,9 @@ class ModelPolicy(LearningPolicy):
         # acceptance for minutes of light traffic.
         f = self._acc_gamma_rs ** max(obs.request_steps, 0) * math.exp(
             -self._band_busy / self.params.acceptance_memory_s)
-        if not self._bands.update(obs, f):
+        # The shape's evidence ages per request-step only: how acceptance falls with depth
+        # is the requests' own and outlasts their acceptance.
+        if not self._bands.update(obs, f, self._acc_gamma_rs ** max(obs.request_steps, 0)):
             return False  # refused, nothing aged: the busy seconds wait for the next one
         self._band_busy = 0.0
         return True

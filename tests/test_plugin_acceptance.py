@@ -11,6 +11,7 @@ from tuner.plugin._sglang import decode_step_fn
 from tuner.plugin.acceptance import STALE_STEPS, AcceptanceEstimate
 from tuner.plugin.core import PluginCore
 from tuner.protocol import (
+    COUNTED_MAX_BATCH,
     N_BANDS,
     UNKNOWN_BAND,
     DynspecState,
@@ -203,6 +204,36 @@ def test_the_hook_folds_in_what_the_per_request_estimate_would(per_req):
     est = core.acceptance
     assert (est.successes, est.trials, est.band) == (
         reference.successes, reference.trials, reference.band)
+
+
+def test_the_hook_counts_first_draft_rejections_where_the_band_counters_keep_them():
+    """Requests that accepted no draft, per (class, band, k): on batches of up to
+    COUNTED_MAX_BATCH requests at k >= 2 in a known band; the policy's shape comes from them."""
+    core = PluginCore(ARMS, started_at=0.0)
+    step = decode_step_fn(core, record=True)
+    rng = random.Random(9)
+    it = 0
+    for b, k in ((4, 3), (4, 1), (COUNTED_MAX_BATCH + 1, 3)):
+        for _ in range(300):
+            it += 1
+            step(_batch(b, it), _result(k, [chain(rng, 0.6, k) for _ in range(b)]))
+    it += 1
+    step(_batch(1, it), _result(3, [0]))  # commits the last step
+    rows: dict[tuple[int, int], list[int]] = {}  # over the known bands
+    for c in core.state().bands:
+        if c.band:
+            t = rows.setdefault((c.cls, c.k), [0, 0, 0])
+            t[0] += c.requests
+            t[1] += c.first_counted
+            t[2] += c.first_rejected
+    small, k1, large = rows[(class_of(4), 3)], rows[(class_of(4), 1)], rows[(class_of(33), 3)]
+    assert small[0] == small[1] > 1000
+    assert abs(small[2] / small[1] - 0.4) < 0.05  # 1 - alpha
+    assert k1[0] > 1000 and k1[1:] == [0, 0]  # k = 1: its accepted drafts say as much
+    assert large[0] > 1000 and large[1:] == [0, 0]  # above the count's batch size
+    # The readout carries them, and the unknown band none.
+    assert DynspecState.from_json(core.readout()).bands == core.state().bands
+    assert all(c.first_rejected == 0 for c in core.state().bands if not c.band)
 
 
 def test_the_default_memory_places_one_request_in_its_band_and_follows_a_change():

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import pytest
 
 from policies import BandObservation, Buckets, ModelPolicy, Observation, make_policy
+from policies._acceptance import chain_accepted
 from policies._banded import BandBook, band_table
 from tuner.protocol import validate_band_table
 
@@ -96,6 +97,36 @@ def test_the_bands_share_the_pooled_fit_of_the_chain_shape():
     p = trained(acc={k: accepted(k) for k in ARMS})
     assert p.greedy_bands() is not None and p._bands is not None
     assert p._delta < 0.95 and p._bands.delta == p._delta
+
+
+def test_the_bands_shape_is_measured_on_the_requests_themselves():
+    # Requests accept 0.45 or 0.95 a position, both falling off by 0.9 a position. Under a
+    # banded row k = 1 runs in band 1 and k = 5 in band 4: pooled per arm, the deep arm's
+    # counts come from the requests that accept most, and the shape they fit rises with depth.
+    def accepted(alpha: float, k: int) -> float:
+        return chain_accepted(alpha, 0.9, k)
+
+    pooled = {0: 0.0, 1: accepted(0.45, 1), 3: (accepted(0.45, 3) + accepted(0.95, 3)) / 2,
+              5: accepted(0.95, 5)}
+    p = trained(acc=pooled)
+    assert p.greedy_bands() is not None and p._bands is not None
+    assert p._delta > 1.0 and p._bands.shape() == p._delta  # nothing counted: the pooled fit
+    n = 4000
+    for band, alpha, k in ((1, 0.45, 3), (4, 0.95, 3), (4, 0.95, 5)):
+        # A step's requests that accepted no draft: 1 - alpha of those looked at.
+        assert p.update_bands(BandObservation(band, k, n, n, round(accepted(alpha, k) * n),
+                                              n, round((1 - alpha) * n)))
+    assert p._delta > 1.0 and p._bands.shape() == pytest.approx(0.9, abs=0.01)
+    # Band 1's deeper arm through its chain: near the requests' own, not the pooled shape's.
+    assert p._bands.emitted(1)[0][5] == pytest.approx(1 + accepted(0.45, 5), abs=0.03)
+    # A measured shape above the pooled fit (a mixture of requests in each band) does not
+    # raise it.
+    q = trained()
+    assert q.greedy_bands() is not None and q._bands is not None
+    for k in (3, 5):
+        rising = chain_accepted(0.6, 1.1, k)
+        assert q.update_bands(BandObservation(2, k, n, n, round(rising * n), n, round(0.4 * n)))
+    assert q._bands.shape() == q._delta < 1.05
 
 
 def cheap_drafts_low_acceptance() -> ModelPolicy:
@@ -196,7 +227,9 @@ def test_an_exploring_row_explores_in_every_band():
 
 @pytest.mark.parametrize("bad", [BandObservation(1, 3, 10, 10, 31), BandObservation(0, 3, 1, 1, 0),
                                  BandObservation(9, 3, 1, 1, 0), BandObservation(2, 2, 1, 1, 0),
-                                 BandObservation(2, 0, 1, 1, 0), BandObservation(2, 3, 1, -1, 0)])
+                                 BandObservation(2, 0, 1, 1, 0), BandObservation(2, 3, 1, -1, 0),
+                                 BandObservation(2, 3, 1, 4, 2, 4, 5),
+                                 BandObservation(2, 3, 1, 4, 2, 5, 1)])
 def test_unusable_band_observations_are_refused(bad):
     book = BandBook(EDGES, ARMS, 0.973)
     assert not book.update(bad, 1.0)

@@ -273,6 +273,7 @@ from tuner.protocol import (  # noqa: E402
     N_BANDS,
     N_CLASSES,
     UNKNOWN_BAND,
+    COUNTED_MAX_BATCH,
     BandCounter,
     BandIndex,
     band_agnostic,
@@ -371,9 +372,11 @@ def _day_state(days: float = 1.0, arms=(0, 1, 2, 3, 5, 7)) -> DynspecState:
                                        k * b * steps, round(busy, 6)))
             for band in range(N_BANDS):
                 key = (class_of(b), band, k)
-                n, r, a = bands.get(key, (0, 0, 0))
+                n, r, a, z = bands.get(key, (0, 0, 0, 0))
                 share = steps // N_BANDS
-                bands[key] = (n + share, r + share * b, a + share * b * (k // 2))
+                counted = k > 1 and band and b <= COUNTED_MAX_BATCH  # first-draft rejections
+                bands[key] = (n + share, r + share * b, a + share * b * (k // 2),
+                              z + (share * b // 4 if counted else 0))
     return DynspecState(
         arms=tuple(arms), policy_version=12, table=((8, 5), (64, 3), (None, 1)),
         counters=tuple(counters), started_at=1764400000.0, updates_applied=12,
@@ -441,8 +444,32 @@ def test_v2_band_and_acceptance_rules():
 
 
 def test_band_counter_deltas():
-    a = (BandCounter(0, 1, 3, 5, 5, 7),)
-    b = (BandCounter(0, 1, 3, 8, 8, 9), BandCounter(2, 4, 3, 1, 4, 12))
-    assert band_counter_deltas(a, b) == (BandCounter(0, 1, 3, 3, 3, 2), b[1])
+    a = (BandCounter(0, 1, 3, 5, 5, 7, 1),)
+    b = (BandCounter(0, 1, 3, 8, 8, 9, 3), BandCounter(2, 4, 3, 1, 4, 12))
+    assert band_counter_deltas(a, b) == (BandCounter(0, 1, 3, 3, 3, 2, 2), b[1])
     assert band_counter_deltas(b, a) is None  # a row vanished: another run
     assert band_counter_deltas(b, (BandCounter(0, 1, 3, 7, 8, 9), b[1])) is None
+    assert band_counter_deltas(b, (BandCounter(0, 1, 3, 8, 8, 9, 2), b[1])) is None
+
+
+def test_first_draft_rejections_ride_in_a_fourth_number_where_counted():
+    counted = BandCounter(class_of(COUNTED_MAX_BATCH), 2, 3, 10, 300, 400, 45)
+    above = BandCounter(class_of(COUNTED_MAX_BATCH + 1), 2, 3, 10, 400, 500)
+    none_rejected = BandCounter(0, 2, 3, 4, 4, 12)
+    assert (counted.first_counted, above.first_counted, none_rejected.first_counted) == (
+        300, 0, 4)
+    # k = 1 and the unknown band say nothing of the shape: nothing counted.
+    assert BandCounter(0, 2, 1, 4, 4, 2).first_counted == 0
+    assert BandCounter(0, UNKNOWN_BAND, 3, 4, 4, 2).first_counted == 0
+    state = replace(_day_state(0.001), bands=(none_rejected, counted, above))
+    raw = state.to_json()
+    cells = {(k, band): text.split(";") for k, band, text in raw["bands"]}[(3, 2)]
+    assert [len(c.split(",")) for c in cells if c] == [3, 4, 3]
+    assert DynspecState.from_json(raw).bands == state.bands
+    # A readout of three numbers a cell (a plugin before first_rejected) reads as 0.
+    old = {**raw, "bands": [[3, 2, ";".join(",".join(c.split(",")[:3]) for c in cells)]]}
+    assert [c.first_rejected for c in DynspecState.from_json(old).bands] == [0, 0, 0]
+    with pytest.raises(ProtocolError, match="more first-draft rejections than requests"):
+        DynspecState.from_json({**raw, "bands": [[3, 2, "1,2,3,3"]]})
+    with pytest.raises(ProtocolError, match="must have 3 or 4 numbers"):
+        DynspecState.from_json({**raw, "bands": [[3, 2, "1,2,3,1,1"]]})

@@ -158,9 +158,10 @@ class _SpyCore(PluginCore):
         return k
 
     def record_decode(self, b, k, emitted, accepted, launch_ts, forward_iter, idle=False,
-                      band=None):
+                      band=None, first_rejected=0):
         self.events.append(("record", k, forward_iter))
-        super().record_decode(b, k, emitted, accepted, launch_ts, forward_iter, idle, band)
+        super().record_decode(b, k, emitted, accepted, launch_ts, forward_iter, idle, band,
+                              first_rejected)
 
 
 def test_telemetry_records_step_n_after_launching_n_plus_1_with_its_launch_arm():

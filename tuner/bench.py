@@ -272,11 +272,11 @@ class _SGLangCore(PluginCore):
 
     def record_decode(self, b: int, k: int, emitted: int, accepted: int, launch_ts: float,
                       forward_iter: int, after_idle_gap: bool = False,
-                      band: int | None = None) -> None:
+                      band: int | None = None, first_rejected: int = 0) -> None:
         per, extra = divmod(int(accepted), max(b, 1))
         self._params.on_verify_complete([per + (1 if i < extra else 0) for i in range(b)], b)
         super().record_decode(b, k, emitted, accepted, launch_ts, forward_iter, after_idle_gap,
-                              band)
+                              band, first_rejected)
 
 
 @dataclass

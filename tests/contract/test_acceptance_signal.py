@@ -68,6 +68,12 @@ def test_the_estimate_comes_from_the_verify_output_and_is_the_same_on_every_rank
     assert rank0.rows() and not rank1.rows()
     bands = rank0.policy.dynspec.state().bands
     assert {c.band for c in bands} == {UNKNOWN_BAND, band_of(5 / 7)}  # the last is pending
+    # Requests that accepted no draft, where the shape is learnt from them (a known band,
+    # k >= 2): accepted 0, 0, 1 of 5 drafts, every step since the first.
+    known = [c for c in bands if c.band != UNKNOWN_BAND]
+    assert known and all(c.k == 5 and c.first_counted == c.requests for c in known)
+    assert all(3 * c.first_rejected == 2 * c.requests for c in known)
+    assert all(c.first_rejected == 0 for c in bands if c.band == UNKNOWN_BAND)
 
 
 def test_steps_without_drafting_make_the_band_unknown_and_the_unknown_band_probes(servers):

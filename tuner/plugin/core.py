@@ -55,9 +55,9 @@ class Telemetry:
     __slots__ = ("_cells", "_pending", "untimed_steps")
 
     def __init__(self) -> None:
-        # (b * N_BANDS + band) * 64 + k -> [decode_steps, accepted, busy_s]
+        # (b * N_BANDS + band) * 64 + k -> [decode_steps, accepted, busy_s, first_rejected]
         self._cells: dict[int, list[float]] = {}
-        self._pending: tuple[int, int, int, float, int, int] | None = None
+        self._pending: tuple[int, int, int, float, int, int, int] | None = None
         self.untimed_steps = 0
 
     def record(
@@ -70,6 +70,7 @@ class Telemetry:
         forward_iter: int,
         after_idle_gap: bool = False,
         band: int = UNKNOWN_BAND,
+        first_rejected: int = 0,
     ) -> None:
         """Record one decode step. ``k`` is the arm it was *launched* with.
 
@@ -85,13 +86,15 @@ class Telemetry:
                 (SGLang's ``batch.after_idle_gap``; an idle pass keeps ``forward_iter``
                 contiguous, so the counter alone cannot tell).
             band: the acceptance band the step counts in (``AcceptanceEstimate.observe``).
+            first_rejected: requests that accepted no draft (counted up to
+                ``COUNTED_MAX_BATCH`` requests, else 0).
         """
         prev = self._pending
-        self._pending = (b, k, accepted, launch_ts, forward_iter, band)
+        self._pending = (b, k, accepted, launch_ts, forward_iter, band, first_rejected)
         if prev is None:
             return
         # _commit inlined: this runs on every decode step.
-        pb, pk, pa, pts, pit, pband = prev
+        pb, pk, pa, pts, pit, pband, pz = prev
         gap = launch_ts - pts
         if after_idle_gap or forward_iter != pit + 1 or not 0.0 <= gap <= MAX_STEP_GAP_S:
             self.untimed_steps += 1
@@ -99,11 +102,12 @@ class Telemetry:
         key = (pb * N_BANDS + pband) * 64 + pk
         cell = self._cells.get(key)
         if cell is None:
-            self._cells[key] = [1, pa, gap]
+            self._cells[key] = [1, pa, gap, pz]
         else:
             cell[0] += 1
             cell[1] += pa
             cell[2] += gap
+            cell[3] += pz
 
     def close(self, launch_ts: float, forward_iter: int, after_idle_gap: bool = False) -> None:
         """A forward launched at ``launch_ts``: commit the pending decode step, timed if contiguous.
@@ -118,12 +122,12 @@ class Telemetry:
 
     def _commit(
         self,
-        prev: tuple[int, int, int, float, int, int],
+        prev: tuple[int, int, int, float, int, int, int],
         launch_ts: float,
         forward_iter: int,
         after_idle_gap: bool,
     ) -> None:
-        pb, pk, pa, pts, pit, pband = prev
+        pb, pk, pa, pts, pit, pband, pz = prev
         gap = launch_ts - pts
         if after_idle_gap or forward_iter != pit + 1 or not 0.0 <= gap <= MAX_STEP_GAP_S:
             self.untimed_steps += 1
@@ -131,16 +135,17 @@ class Telemetry:
         key = (pb * N_BANDS + pband) * 64 + pk
         cell = self._cells.get(key)
         if cell is None:
-            self._cells[key] = [1, pa, gap]
+            self._cells[key] = [1, pa, gap, pz]
         else:
             cell[0] += 1
             cell[1] += pa
             cell[2] += gap
+            cell[3] += pz
 
     def rows(self) -> tuple[CounterRow, ...]:
         """Per ``(b, k)``: the cells summed over bands."""
         sums: dict[tuple[int, int], list[float]] = {}
-        for key, (n, a, busy) in self._cells.items():
+        for key, (n, a, busy, _) in self._cells.items():
             bb, k = divmod(key, 64)
             t = sums.setdefault((bb // N_BANDS, k), [0, 0, 0.0])
             t[0] += n
@@ -154,13 +159,14 @@ class Telemetry:
     def band_rows(self) -> tuple[BandCounter, ...]:
         """Per ``(batch-size class, band, k)``: the cells summed over the class's sizes."""
         sums: dict[tuple[int, int, int], list[int]] = {}
-        for key, (n, a, _) in self._cells.items():
+        for key, (n, a, _, z) in self._cells.items():
             bb, k = divmod(key, 64)
             b, band = divmod(bb, N_BANDS)
-            t = sums.setdefault((class_of(b), band, k), [0, 0, 0])
+            t = sums.setdefault((class_of(b), band, k), [0, 0, 0, 0])
             t[0] += int(n)
             t[1] += b * int(n)
             t[2] += int(a)
+            t[3] += int(z)
         return tuple(BandCounter(*key, *v) for key, v in sorted(sums.items()))
 
 
@@ -261,12 +267,14 @@ class PluginCore:
         forward_iter: int,
         after_idle_gap: bool = False,
         band: int | None = None,
+        first_rejected: int = 0,
     ) -> None:
         """Count one decode step (``band``: what :meth:`observe` returned for it; default the
-        estimate's band now)."""
+        estimate's band now; ``first_rejected``: requests that accepted no draft, counted up
+        to ``COUNTED_MAX_BATCH`` requests)."""
         self.telemetry.record(
             b, k, emitted, accepted, launch_ts, forward_iter, after_idle_gap,
-            self.acceptance.band if band is None else band,
+            self.acceptance.band if band is None else band, first_rejected,
         )
 
     def record_forward(

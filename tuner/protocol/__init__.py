@@ -13,6 +13,7 @@ numbered keys (``dynspec_r<i>_max_bs``, ``dynspec_r<i>_k``, v2's ``dynspec_r<i>_
 from tuner.protocol._bands import (
     BAND_EDGES,
     CLASS_EDGES,
+    COUNTED_MAX_BATCH,
     N_BANDS,
     N_CLASSES,
     UNKNOWN_BAND,
@@ -66,6 +67,7 @@ from tuner.protocol._update import (
 __all__ = [
     "BAND_EDGES",
     "CLASS_EDGES",
+    "COUNTED_MAX_BATCH",
     "COUNTER_FIELDS",
     "KEY_PREFIX",
     "MAX_INT",

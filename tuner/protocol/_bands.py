@@ -30,6 +30,10 @@ N_BANDS = len(BAND_EDGES) + 2  # the unknown band and the known ones
 # time is kept per exact batch size; acceptance varies with the band and k, not b, so it is
 # kept per class, which is what keeps the readout bounded (docs/protocol.md).
 CLASS_EDGES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# The largest batch whose requests the plugin looks at one by one (a class edge): above it the
+# band counters count no first-draft rejections (the hook's cost stays flat in the batch size;
+# BandCounter.first_counted).
+COUNTED_MAX_BATCH = 32
 N_CLASSES = len(CLASS_EDGES) + 1
 # Batch sizes a table index expands into a flat list (above: bisect).
 _FLAT_MAX_BS = 4096

@@ -13,13 +13,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from tuner.protocol._bands import (
+    COUNTED_MAX_BATCH,
     N_BANDS,
     N_CLASSES,
+    UNKNOWN_BAND,
     BandTable,
     band_agnostic,
     band_table_to_json,
     banded,
     is_uniform,
+    class_range,
     validate_band_table,
 )
 from tuner.protocol._base import (
@@ -74,7 +77,9 @@ def encode_cells(cells: Iterable[tuple[int, ...] | None]) -> str:
     return ";".join("" if c is None else ",".join(map(b64_int, c)) for c in cells)
 
 
-def decode_cells(text: object, width: int, what: str) -> list[tuple[int, ...] | None]:
+def decode_cells(text: object, width: int | tuple[int, ...], what: str
+                 ) -> list[tuple[int, ...] | None]:
+    widths = (width,) if isinstance(width, int) else width
     if not isinstance(text, str):
         raise ProtocolError(f"{what} must be a string of cells, got {type(text).__name__}")
     if text.count(";") >= MAX_CELLS:
@@ -85,8 +90,9 @@ def decode_cells(text: object, width: int, what: str) -> list[tuple[int, ...] | 
             out.append(None)
             continue
         parts = cell.split(",")
-        if len(parts) != width:
-            raise ProtocolError(f"{what} cell {i} must have {width} numbers: {cell!r}")
+        if len(parts) not in widths:
+            raise ProtocolError(f"{what} cell {i} must have {' or '.join(map(str, widths))} "
+                                f"numbers: {cell!r}")
         out.append(tuple(int_b64(p, f"{what} cell {i}") for p in parts))
     return out
 
@@ -225,6 +231,11 @@ class BandCounter:
     A step counts in the band the plugin's estimate was in just before the step's own verify
     result was folded in (so a step never selects its own band). Summed over bands, a class's
     counters equal the ``(b, k)`` rows of its batch sizes: the same timed steps.
+
+    ``first_rejected`` counts the requests that accepted none of their drafts where that tells
+    something (:attr:`first_counted`): in a known band, at ``k >= 2``, in the classes of
+    batches up to :data:`COUNTED_MAX_BATCH` requests; elsewhere 0. With ``accepted_drafts``
+    it tells how acceptance falls with depth on the same requests.
     """
 
     cls: int
@@ -233,6 +244,15 @@ class BandCounter:
     decode_steps: int
     requests: int
     accepted_drafts: int
+    first_rejected: int = 0
+
+    @property
+    def first_counted(self) -> int:
+        """The requests :attr:`first_rejected` looked at: all of them or none."""
+        high = class_range(self.cls)[1]
+        counted = (self.band != UNKNOWN_BAND and self.k >= 2 and high is not None
+                   and high <= COUNTED_MAX_BATCH)
+        return self.requests if counted else 0
 
 
 def band_counter_deltas(
@@ -248,9 +268,9 @@ def band_counter_deltas(
         c, o = new[key], old.get(key)
         d = c if o is None else BandCounter(
             *key, c.decode_steps - o.decode_steps, c.requests - o.requests,
-            c.accepted_drafts - o.accepted_drafts,
+            c.accepted_drafts - o.accepted_drafts, c.first_rejected - o.first_rejected,
         )
-        if min(d.decode_steps, d.requests, d.accepted_drafts) < 0:
+        if min(d.decode_steps, d.requests, d.accepted_drafts, d.first_rejected) < 0:
             return None
         if d.decode_steps:
             out.append(d)
@@ -307,7 +327,8 @@ def _encode_bands(bands: Iterable[BandCounter]) -> list[list[int | str]]:
         cells = by_kb[(k, band)]
         dense = (cells.get(i) for i in range(max(cells) + 1))
         out.append([k, band, encode_cells(
-            None if c is None else (c.decode_steps, c.requests, c.accepted_drafts) for c in dense
+            None if c is None else (c.decode_steps, c.requests, c.accepted_drafts)
+            + ((c.first_rejected,) if c.first_rejected else ()) for c in dense
         )])
     return out
 
@@ -324,10 +345,18 @@ def _decode_bands(obj: object) -> tuple[BandCounter, ...]:
         if k < 0 or not 0 <= band < N_BANDS or (k, band) in seen:
             raise ProtocolError(f"band counter (k={k}, band={band}) is out of range or repeated")
         seen.add((k, band))
-        cells = decode_cells(entry[2], 3, f"bands k={k} band={band}")
+        # A cell's fourth number, first_rejected, is left out where it is 0 (so where nothing
+        # is counted, and in the readouts of plugins before it).
+        cells = decode_cells(entry[2], (3, 4), f"bands k={k} band={band}")
         if len(cells) > N_CLASSES:
             raise ProtocolError(f"bands k={k} band={band} has more than {N_CLASSES} classes")
-        out.extend(BandCounter(i, band, k, *c) for i, c in enumerate(cells) if c is not None)
+        for i, c in enumerate(cells):
+            if c is None:
+                continue
+            if len(c) == 4 and c[3] > c[1]:
+                raise ProtocolError(f"bands k={k} band={band} cell {i} has more first-draft "
+                                    "rejections than requests")
+            out.append(BandCounter(i, band, k, *c))
     out.sort(key=lambda c: (c.cls, c.band, c.k))
     return tuple(out)
 

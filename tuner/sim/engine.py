@@ -195,7 +195,8 @@ class Engine:
         self._next_rid = 0
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # aligned with self._rows
-        self._pending: tuple[int, int, int, int, float, int, bool, float | None] | None = None
+        self._pending: (tuple[int, int, int, int, float, int, bool, float | None, int]
+                        | None) = None
         self._log = RequestLog()
         self._load: Load = NoLoad()
         self._load_next = math.inf
@@ -317,11 +318,12 @@ class Engine:
         p = self._pending
         if p is not None:
             self._pending = None
-            n, k, emitted, accepted, launch, fi, idled, full = p
+            n, k, emitted, accepted, launch, fi, idled, full, rejected = p
             # As the plugin's decode hook: the verify result feeds the batch's acceptance
             # estimate, and the step counts in the band that returns.
             band = self.core.acceptance.observe_totals(k, n, accepted, full)
-            self.core.record_decode(n, k, emitted, accepted, launch, fi, idled, band=band)
+            self.core.record_decode(n, k, emitted, accepted, launch, fi, idled, band=band,
+                                    first_rejected=rejected if k > 1 and band else 0)
 
     def _prefill(self) -> None:
         running, waiting = self._running, self._waiting
@@ -368,6 +370,7 @@ class Engine:
         rows = self._rows
         self.step_oracle.step(rows, n, pb, k, dt)
         full: float | None = 0
+        rejected = 0
         if k > 0:
             # Per-request accepted drafts as plain ints (cheaper than numpy calls at the
             # usual batch sizes), as the plugin's hook gets SGLang's list.
@@ -377,12 +380,13 @@ class Engine:
             # (tuner.plugin._sglang.decode_step_fn): exactly up to FULL_SAMPLE requests,
             # above that left to the estimate (None).
             full = acc.count(k) if n <= FULL_SAMPLE else None
+            rejected = acc.count(0) if n <= FULL_SAMPLE and k > 1 else 0
         else:
             accepted = 0
             rows.plain_step(n, self.skip_zero_draft_extend)
         emitted = accepted + n
         self.now = launch + dt
-        self._pending = (n, k, emitted, accepted, launch, fi, self._idled, full)
+        self._pending = (n, k, emitted, accepted, launch, fi, self._idled, full, rejected)
         self._idled = False
         c = self.counters
         window = c.count_decode(n, launch, fi, emitted, accepted, pb <= self._costs.graph_max)
