@@ -33,7 +33,7 @@ from types import SimpleNamespace
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from tuner.plugin import _sglang, _tree  # noqa: E402
-from tuner.protocol import N_BANDS, TreeShape, encode_update  # noqa: E402
+from tuner.protocol import COUNTED_MAX_BATCH, N_BANDS, TreeShape, encode_update  # noqa: E402
 
 STEP_S = 5e-3
 TARGET_US = 3.0
@@ -278,9 +278,11 @@ def main() -> int:
     for b in BATCH_SIZES:
         for k in ARMS:
             for band in range(N_BANDS):
+                counted = k > 1 and band and b <= COUNTED_MAX_BATCH  # first drafts rejected
                 tel._cells[(b * N_BANDS + band) * 64 + k] = [
                     steps, steps * b * (k // 2),
-                    steps * (0.004 + 0.00003 * b + 0.0011 * k) + 1 / 3]
+                    steps * (0.004 + 0.00003 * b + 0.0011 * k) + 1 / 3,
+                    steps * b // 4 if counted else 0]
     day_kb, _ = size_kb(core)
     print(f"readout, {young_rows} (b, k) rows x {N_BANDS} bands, each seen 3 times: "
           f"{young_kb:5.1f} KB")
