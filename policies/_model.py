@@ -221,11 +221,11 @@ class ModelPolicy(LearningPolicy):
         # Per request-step, as the pooled acceptance, and per drafting busy second since the
         # last band update: after a workload change a band must not hold the old world's
         # acceptance for minutes of light traffic.
-        f = self._acc_gamma_rs ** max(obs.request_steps, 0) * math.exp(
-            -self._band_busy / self.params.acceptance_memory_s)
         # The shape's evidence ages per request-step only: how acceptance falls with depth
         # is the requests' own and outlasts their acceptance.
-        if not self._bands.update(obs, f, self._acc_gamma_rs ** max(obs.request_steps, 0)):
+        per_rs = self._acc_gamma_rs ** max(obs.request_steps, 0)
+        f = per_rs * math.exp(-self._band_busy / self.params.acceptance_memory_s)
+        if not self._bands.update(obs, f, per_rs):
             return False  # refused, nothing aged: the busy seconds wait for the next one
         self._band_busy = 0.0
         return True

@@ -417,28 +417,24 @@ def decode_step_fn(core: PluginCore, *, record: bool) -> Callable[[Any, Any], No
         # requests accepted every draft, counted exactly up to FULL_SAMPLE requests; above,
         # the estimate takes its expectation (AcceptanceEstimate.observe_totals), which keeps
         # the hook's cost flat in the batch size.
-        # Up to FULL_SAMPLE requests it also counts those that accepted no draft, where the
-        # band counters keep them (BandCounter.first_counted: k >= 2, a known band).
-        rejected = 0
         if per_req is None:
             band = estimate.band
         elif not accepted or accepted == b * k:  # none or all accepted every draft: no count
             band = observe(k, b, accepted, b if accepted else 0)
-            if not accepted and b <= sample:
-                rejected = b
         elif b <= sample:
             band = observe(k, b, accepted, per_req.count(k))
-            if k > 1 and band:
-                rejected = per_req.count(0)
         else:
             band = observe(k, b, accepted)
-        if k < 2 or not band:
-            rejected = 0
         if record:
             launch_ts = batch.launch_ts
             forward_iter = batch.forward_iter
             if launch_ts is None or forward_iter is None:
                 return
+            # Requests that accepted no draft, where the band counters keep them
+            # (BandCounter.first_counted: a known band, k >= 2, up to FULL_SAMPLE requests).
+            rejected = 0
+            if band and k > 1 and b <= sample and per_req is not None and accepted != b * k:
+                rejected = per_req.count(0) if accepted else b
             # emitted is accepted + b for EAGLE; the readout derives it.
             count(b, k, 0, accepted, launch_ts, forward_iter, batch.after_idle_gap, band,
                   rejected)

@@ -323,7 +323,7 @@ class Engine:
             # estimate, and the step counts in the band that returns.
             band = self.core.acceptance.observe_totals(k, n, accepted, full)
             self.core.record_decode(n, k, emitted, accepted, launch, fi, idled, band=band,
-                                    first_rejected=rejected if k > 1 and band else 0)
+                                    first_rejected=rejected if band else 0)
 
     def _prefill(self) -> None:
         running, waiting = self._running, self._waiting
@@ -380,6 +380,8 @@ class Engine:
             # (tuner.plugin._sglang.decode_step_fn): exactly up to FULL_SAMPLE requests,
             # above that left to the estimate (None).
             full = acc.count(k) if n <= FULL_SAMPLE else None
+            # ... and those that accepted none, where the band counters keep them (k >= 2; the
+            # band is known when the step is folded in).
             rejected = acc.count(0) if n <= FULL_SAMPLE and k > 1 else 0
         else:
             accepted = 0
