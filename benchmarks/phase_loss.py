@@ -1,0 +1,174 @@
+"""Where a load phase's goodput went: each low phase's loss, split by why its arms ran.
+
+Runs generated worlds through the bench's own ``run_one`` (engine, plugin core, the default
+policy fed band counters, oracles) with the tracing engine of ``shift_recovery.py``, and for
+every load phase whose % of the per-bucket oracle after warm-up is below ``--below`` splits
+its loss, in points of the phase, by the arm each decode step ran:
+
+- **greedy**: the bucket's greedy arm (the policy's best guess was wrong, or near-tied);
+- **band**: a band's own arm in a row that runs its greedy arm (the banded refinement);
+- **explore**: a row that explores (every band on one arm that is not the greedy one).
+
+A step's loss is its busy time times the per-bucket oracle's expected goodput at its batch
+size less that of the arm it ran (``tuner.sim.oracle.expected_goodput``), so the three add up
+to the phase's shortfall from 100 % for tables by batch size alone. Banded steps can also
+gain (a band's arm may beat the bucket's best arm on its batches), which this per-bucket
+measure does not see: the split says where the per-bucket figure was lost, not the whole
+per-step picture. Per phase, the two batch sizes that lost most follow, with each arm's
+expected goodput relative to the best and the busy seconds it ran.
+
+    .venv/bin/python benchmarks/phase_loss.py --worlds 0-49 --seed 0
+    .venv/bin/python benchmarks/phase_loss.py --worlds 1 --seed 0 --below 101   # every phase
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any, NamedTuple
+from unittest import mock
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import shift_recovery as sr
+
+from tuner import bench
+from tuner.bench_worlds import DEFAULT_WORLD_LOAD
+from tuner.sim.oracle import expected_goodput
+from tuner.sim.worlds import make_world
+
+KINDS = ("greedy", "band", "explore")
+# A trace step: (time, band, batch, arm run, step oracle's arm, its ratio, busy s, accepted).
+Step = tuple[float, int, int, int, int, float, float, int]
+# A table in force from its time on, with the policy's greedy arm per bucket then.
+Table = tuple[float, Any, tuple[int, ...]]
+
+
+class PhaseLoss(NamedTuple):
+    """One load phase's loss by kind (points of the phase) and busy seconds per (b, k)."""
+
+    points: dict[str, float]
+    busy: dict[int, dict[int, float]]
+
+
+def kind_of(k: int, greedy: int, row: Sequence[int]) -> str:
+    """Why arm ``k`` ran under ``row`` (unknown band's arm, then each band's) when the
+    bucket's greedy arm was ``greedy``: an exploring row runs one other arm in every band."""
+    if k == greedy:
+        return "greedy"
+    if len(set(row)) == 1 and row[0] != greedy:
+        return "explore"
+    return "band"
+
+
+def row_for(table: Any, b: int) -> Sequence[int]:
+    """The banded table's row for batch size ``b`` (rows of (upper bound or None, arms))."""
+    return next((ks for bound, ks in table if bound is None or b <= bound), table[-1][1])
+
+
+def split_phase(trace: Sequence[Step], tables: Sequence[Table], lo: float, hi: float,
+                good: Callable[[int, int, float], float], arms: Sequence[int],
+                bucket_of: Callable[[int], int]) -> PhaseLoss:
+    """The loss of the steps that started in ``[lo, hi)``; ``tables`` in time order."""
+    lost: dict[str, float] = dict.fromkeys(KINDS, 0.0)
+    busy: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
+    best_total = 0.0
+    ti = 0
+    for t, _band, b, k, _kb, _ratio, dt, _acc in trace:
+        if not lo <= t < hi:
+            continue
+        while ti + 1 < len(tables) and tables[ti + 1][0] <= t:
+            ti += 1
+        _, table, greedy = tables[ti]
+        best = max(good(b, a, t) for a in arms)
+        best_total += dt * best
+        busy[b][k] += dt
+        lost[kind_of(k, greedy[bucket_of(b)], row_for(table, b))] += dt * (best - good(b, k, t))
+    scale = 100.0 / best_total if best_total else 0.0
+    return PhaseLoss({kind: v * scale for kind, v in lost.items()},
+                     {b: dict(per) for b, per in busy.items()})
+
+
+def run_world(job: dict[str, Any]) -> list[str]:
+    """Lines for one world's phases below the threshold."""
+    world = make_world(job["world"], job["world_seed"])
+    sr._band_emitted = lambda pol: pol.greedy_arms()  # each table's greedy arms, per bucket
+    with mock.patch.object(bench, "Engine", sr._TracingEngine), \
+            mock.patch.object(bench, "build_policy", sr._capture_policy):
+        res = bench.run_one(profile=world.name, workload="generated", load=job["load"],
+                            policy="model", seed=job["seed"], world=world,
+                            warmup_s=job["warmup_s"])
+    eng, pol = sr._TracingEngine.last, sr._TracingEngine.policy
+    assert eng is not None and pol is not None
+    prof, wl = world.profile(), world.workload(res.phases[-1].end_s)
+    mixes = list(wl.phases)
+    cache: dict[tuple[int, int, int], float] = {}
+
+    def good(b: int, k: int, t: float) -> float:
+        """As the bench scores: the workload's mix in force at ``t``."""
+        key = (b, k, 0 if wl.stationary else mixes.index(wl.phase_at(t)))
+        if key not in cache:
+            cache[key] = expected_goodput(prof, wl, b, k, t=t, graph_bs=eng.graph_bs)
+        return cache[key]
+
+    lines = []
+    for i, ph in enumerate(res.phases):
+        if not ph.pct_oracle < job["below"]:
+            continue
+        lo = ph.start_s + job["warmup_s"]
+        loss = split_phase(eng.trace, eng.tables, lo, ph.end_s, good, eng.arms,
+                           pol.buckets.index)
+        split = " ".join(f"{kind} {loss.points[kind]:.2f}" for kind in KINDS)
+        lines.append(f"world-{job['world']} seed {job['seed']} phase {i} c={ph.concurrency}: "
+                     f"{ph.pct_oracle:.1f} %  lost: {split}")
+
+        def lost_at(b: int, t: float = lo, busy: dict[int, dict[int, float]] = loss.busy
+                    ) -> float:
+            return sum(dt * (max(good(b, a, t) for a in eng.arms) - good(b, k, t))
+                       for k, dt in busy[b].items())
+
+        for b in sorted(loss.busy, key=lost_at, reverse=True)[:2]:
+            top = max(good(b, a, lo) for a in eng.arms)
+            rel = " ".join(f"k{a} {100 * good(b, a, lo) / top:.1f}" for a in eng.arms)
+            ran = " ".join(f"k{k} {dt:.1f}s" for k, dt in sorted(loss.busy[b].items()))
+            lines.append(f"    b={b}: [{rel}]  ran {ran}")
+    return lines
+
+
+def parse_worlds(text: str) -> list[int]:
+    """``A-B`` and single indices, comma-separated."""
+    out: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--worlds", default="0-49", help="A-B or a list (default 0-49)")
+    ap.add_argument("--world-seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--load", default=DEFAULT_WORLD_LOAD)
+    ap.add_argument("--warmup", type=float, default=30.0, help="seconds left out per phase")
+    ap.add_argument("--below", type=float, default=98.0, help="phases below this % are split")
+    ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    a = ap.parse_args(argv)
+    jobs = [{"world": w, "world_seed": a.world_seed, "seed": a.seed, "load": a.load,
+             "warmup_s": a.warmup, "below": a.below} for w in parse_worlds(a.worlds)]
+    print(f"{len(jobs)} worlds on {a.jobs} workers ...", file=sys.stderr)
+    with ProcessPoolExecutor(a.jobs) as pool:
+        for lines in pool.map(run_world, jobs):
+            for line in lines:
+                print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
