@@ -9,13 +9,15 @@ its loss, in points of the phase, by the arm each decode step ran:
 - **band**: a band's own arm in a row that runs its greedy arm (the banded refinement);
 - **explore**: a row that explores (every band on one arm that is not the greedy one).
 
-A step's loss is its busy time times the per-bucket oracle's expected goodput at its batch
-size less that of the arm it ran (``tuner.sim.oracle.expected_goodput``), so the three add up
-to the phase's shortfall from 100 % for tables by batch size alone. Banded steps can also
-gain (a band's arm may beat the bucket's best arm on its batches), which this per-bucket
-measure does not see: the split says where the per-bucket figure was lost, not the whole
-per-step picture. Per phase, the two batch sizes that lost most follow, with each arm's
-expected goodput relative to the best and the busy seconds it ran.
+A step's loss is scored as the bench scores it: under a table by batch size alone, its busy
+time times the per-bucket oracle's expected goodput at its batch size less that of its arm
+(``tuner.sim.oracle.expected_goodput``); under a banded table, on the step itself, the
+per-bucket oracle's goodput times one less the ratio of the step's expected goodput at its
+arm to that at the per-bucket oracle's arm, given the step's own requests (``tuner.bench_step``
+takes the same ratio per reading, of sums). A banded step can gain (a negative loss), and
+the three kinds then add up to the phase's shortfall from 100 % up to that per-step rather
+than per-reading ratio. Per phase, the two batch sizes that lost most follow, with each
+arm's expected goodput relative to the best and the busy seconds it ran.
 
     .venv/bin/python benchmarks/phase_loss.py --worlds 0-49 --seed 0
     .venv/bin/python benchmarks/phase_loss.py --worlds 1 --seed 0 --below 101   # every phase
@@ -40,6 +42,7 @@ import shift_recovery as sr
 
 from tuner import bench
 from tuner.bench_worlds import DEFAULT_WORLD_LOAD
+from tuner.protocol import is_uniform
 from tuner.sim.oracle import expected_goodput
 from tuner.sim.worlds import make_world
 
@@ -48,6 +51,21 @@ KINDS = ("greedy", "band", "explore")
 Step = tuple[float, int, int, int, int, float, float, int]
 # A table in force from its time on, with the policy's greedy arm per bucket then.
 Table = tuple[float, Any, tuple[int, ...]]
+
+
+class _ValueOracle(sr._TracingOracle):
+    """The tracing step oracle, also keeping every step's expected goodput per arm."""
+
+    def step(self, rows: Any, n: int, pb: int, k: int, dt: float) -> None:
+        super().step(rows, n, pb, k, dt)
+        self.values.append(tuple(self._values))
+
+
+class _Engine(sr._TracingEngine):
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.step_oracle = _ValueOracle(self.arms, self._costs.expected_s)
+        self.step_oracle.values = []
 
 
 class PhaseLoss(NamedTuple):
@@ -74,22 +92,32 @@ def row_for(table: Any, b: int) -> Sequence[int]:
 
 def split_phase(trace: Sequence[Step], tables: Sequence[Table], lo: float, hi: float,
                 good: Callable[[int, int, float], float], arms: Sequence[int],
-                bucket_of: Callable[[int], int]) -> PhaseLoss:
-    """The loss of the steps that started in ``[lo, hi)``; ``tables`` in time order."""
+                bucket_of: Callable[[int], int],
+                values: Sequence[Sequence[float]] | None = None) -> PhaseLoss:
+    """The loss of the steps that started in ``[lo, hi)``; ``tables`` in time order;
+    ``values``, one per trace step, its expected goodput per arm (in ``arms``' order) given
+    its requests, for the steps of banded tables (see the module docstring)."""
     lost: dict[str, float] = dict.fromkeys(KINDS, 0.0)
     busy: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
     best_total = 0.0
     ti = 0
-    for t, _band, b, k, _kb, _ratio, dt, _acc in trace:
+    for i, (t, _band, b, k, _kb, _ratio, dt, _acc) in enumerate(trace):
         if not lo <= t < hi:
             continue
         while ti + 1 < len(tables) and tables[ti + 1][0] <= t:
             ti += 1
         _, table, greedy = tables[ti]
-        best = max(good(b, a, t) for a in arms)
+        g = [good(b, a, t) for a in arms]
+        best = max(g)
+        ref = g.index(best)  # the per-bucket oracle's arm (its first best, as the bench's)
         best_total += dt * best
         busy[b][k] += dt
-        lost[kind_of(k, greedy[bucket_of(b)], row_for(table, b))] += dt * (best - good(b, k, t))
+        if values is not None and not is_uniform(table):
+            v = values[i]
+            step_loss = best * (1.0 - v[arms.index(k)] / v[ref])
+        else:
+            step_loss = best - g[arms.index(k)]
+        lost[kind_of(k, greedy[bucket_of(b)], row_for(table, b))] += dt * step_loss
     scale = 100.0 / best_total if best_total else 0.0
     return PhaseLoss({kind: v * scale for kind, v in lost.items()},
                      {b: dict(per) for b, per in busy.items()})
@@ -99,13 +127,14 @@ def run_world(job: dict[str, Any]) -> list[str]:
     """Lines for one world's phases below the threshold."""
     world = make_world(job["world"], job["world_seed"])
     sr._band_emitted = lambda pol: pol.greedy_arms()  # each table's greedy arms, per bucket
-    with mock.patch.object(bench, "Engine", sr._TracingEngine), \
+    with mock.patch.object(bench, "Engine", _Engine), \
             mock.patch.object(bench, "build_policy", sr._capture_policy):
         res = bench.run_one(profile=world.name, workload="generated", load=job["load"],
                             policy="model", seed=job["seed"], world=world,
                             warmup_s=job["warmup_s"])
     eng, pol = sr._TracingEngine.last, sr._TracingEngine.policy
-    assert eng is not None and pol is not None
+    assert isinstance(eng, _Engine) and pol is not None
+    assert len(eng.step_oracle.values) == len(eng.trace)  # one oracle step per decode step
     prof, wl = world.profile(), world.workload(res.phases[-1].end_s)
     mixes = list(wl.phases)
     cache: dict[tuple[int, int, int], float] = {}
@@ -123,7 +152,7 @@ def run_world(job: dict[str, Any]) -> list[str]:
             continue
         lo = ph.start_s + job["warmup_s"]
         loss = split_phase(eng.trace, eng.tables, lo, ph.end_s, good, eng.arms,
-                           pol.buckets.index)
+                           pol.buckets.index, eng.step_oracle.values)
         split = " ".join(f"{kind} {loss.points[kind]:.2f}" for kind in KINDS)
         lines.append(f"world-{job['world']} seed {job['seed']} phase {i} c={ph.concurrency}: "
                      f"{ph.pct_oracle:.1f} %  lost: {split}")

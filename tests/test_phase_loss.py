@@ -62,3 +62,18 @@ def test_a_wrong_greedy_arm_is_the_greedy_share(pl) -> None:  # type: ignore[no-
     tables = [(0.0, ((None, (0, 0, 0, 0, 0)),), (0,))]
     loss = pl.split_phase([step(0.0, 1, 0)], tables, 0.0, 1.0, good, ARMS, lambda b: 0)
     assert loss.points == {"greedy": pytest.approx(50.0), "band": 0.0, "explore": 0.0}
+
+
+def test_a_banded_table_s_steps_are_scored_on_their_own_requests(pl) -> None:  # type: ignore[no-untyped-def]
+    banded = ((None, (3, 1, 3, 3, 3)),)
+    tables = [(0.0, banded, (3,))]
+    # per step, expected goodput per arm (0, 1, 3) given the step's requests: on the first
+    # (low acceptance) k = 1 beats the per-bucket oracle's k = 3, on the second it loses
+    values = [(50.0, 90.0, 60.0), (50.0, 80.0, 100.0)]
+    trace = [step(0.0, 1, 1, band=1), step(1.0, 1, 1, band=1)]
+    loss = pl.split_phase(trace, tables, 0.0, 2.0, good, ARMS, lambda b: 0, values)
+    # 100 (the per-bucket best at b = 1) x (1 - 90/60) and x (1 - 80/100), over 200
+    assert loss.points["band"] == pytest.approx(100 * (100 * (1 - 1.5) + 100 * 0.2) / 200)
+    # without the step values the same steps count at the workload's expectation
+    plain = pl.split_phase(trace, tables, 0.0, 2.0, good, ARMS, lambda b: 0)
+    assert plain.points["band"] == pytest.approx(100 * 2 * 20 / 200)
