@@ -20,7 +20,7 @@ than per-reading ratio. Per phase, the two batch sizes that lost most follow, wi
 arm's expected goodput relative to the best and the busy seconds it ran.
 
     .venv/bin/python benchmarks/phase_loss.py --worlds 0-49 --seed 0
-    .venv/bin/python benchmarks/phase_loss.py --worlds 1 --seed 0 --below 101   # every phase
+    .venv/bin/python benchmarks/phase_loss.py --worlds 1-1 --seed 0 --below 101   # every phase
 """
 
 from __future__ import annotations
@@ -42,9 +42,10 @@ import shift_recovery as sr
 
 from tuner import bench
 from tuner.bench_worlds import DEFAULT_WORLD_LOAD
+from tuner.errors import ConfigError
 from tuner.protocol import is_uniform
 from tuner.sim.oracle import expected_goodput
-from tuner.sim.worlds import make_world
+from tuner.sim.worlds import make_world, parse_world_range
 
 KINDS = ("greedy", "band", "explore")
 # A trace step: (time, band, batch, arm run, step oracle's arm, its ratio, busy s, accepted).
@@ -170,18 +171,16 @@ def run_world(job: dict[str, Any]) -> list[str]:
     return lines
 
 
-def parse_worlds(text: str) -> list[int]:
-    """``A-B`` and single indices, comma-separated."""
-    out: list[int] = []
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        out.extend(range(int(lo), int(hi or lo) + 1))
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--worlds", default="0-49", help="A-B or a list (default 0-49)")
+    def worlds(text: str) -> tuple[int, ...]:
+        try:
+            return parse_world_range(text)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    ap.add_argument("--worlds", type=worlds, default="0-49",
+                    help="as bench's: N (worlds 0..N-1), A-B, or a list '3,7,10-12' (default 0-49)")
     ap.add_argument("--world-seed", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--load", default=DEFAULT_WORLD_LOAD)
@@ -190,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     a = ap.parse_args(argv)
     jobs = [{"world": w, "world_seed": a.world_seed, "seed": a.seed, "load": a.load,
-             "warmup_s": a.warmup, "below": a.below} for w in parse_worlds(a.worlds)]
+             "warmup_s": a.warmup, "below": a.below} for w in a.worlds]
     print(f"{len(jobs)} worlds on {a.jobs} workers ...", file=sys.stderr)
     with ProcessPoolExecutor(a.jobs) as pool:
         for lines in pool.map(run_world, jobs):
