@@ -16,6 +16,7 @@ from policies._guard import GuardVerdict, guard_check
 from policies._learning import LearnerParams, LearningPolicy
 from policies._model import ModelParams, ModelPolicy
 from policies._optuna import OptunaParams, OptunaPolicy
+from policies._probes import PROBE_REQUEST_STEPS, Probe, probe_steps, split_probes
 from policies._registry import DEFAULT_POLICY, POLICIES, make_policy, policy_parameters
 from policies._static import (
     DEFAULT_SGLANG_SLOTS,
@@ -41,6 +42,7 @@ __all__ = [
     "DEFAULT_POLICY",
     "DEFAULT_SGLANG_SLOTS",
     "POLICIES",
+    "PROBE_REQUEST_STEPS",
     "SGLANG_DEFAULT_CUDA_GRAPH_BS",
     "AlwaysParams",
     "AlwaysPolicy",
@@ -55,6 +57,7 @@ __all__ = [
     "NeverPolicy",
     "OptunaParams",
     "OptunaPolicy",
+    "Probe",
     "SGLangDefaultParams",
     "SGLangDefaultPolicy",
     "StaticPolicy",
@@ -72,8 +75,10 @@ __all__ = [
     "guard_check",
     "make_policy",
     "policy_parameters",
+    "probe_steps",
     "reward",
     "sglang_settled_arm",
     "sglang_static_table",
+    "split_probes",
 ]
 __all__ += _base.__all__

@@ -16,9 +16,12 @@ from tuner.daemon._tables import show_table
 from tuner.plugin.core import PluginCore
 from tuner.protocol import (
     BAND_EDGES,
+    N_BANDS,
+    BandIndex,
     DynspecState,
     TreeShape,
     band_counter_deltas,
+    decode_update,
     is_uniform,
 )
 
@@ -89,6 +92,41 @@ def test_a_v2_server_learns_per_band_and_ends_on_a_banded_table(tmp_path):
     assert "/" in show_table(last.bands)  # k<unknown>/<band 1..4> where the bands differ
 
 
+def test_a_banding_server_gets_exploring_rows_as_probes_over_the_greedy_table(tmp_path):
+    with Sim(load="32") as sim:
+        d = _run(sim, tmp_path, 150)
+        with sim.server.lock:
+            core = sim.server.core
+            live_version = core.version
+        d.shutdown()
+        with sim.server.lock:
+            left, refused = core.probes, core.updates_rejected
+    probing = [p for p in sim.posts if p.get("dynspec_probes")]
+    assert probing and refused == 0
+    with Storage(f"sqlite:///{tmp_path / 'h.db'}", read_only=True) as st:
+        versions = {v.version: v for v in st.policy_versions(server=sim.addr)}
+    for post in probing:
+        # The history keeps the exploring proposal; the server got the greedy rows and the
+        # exploring rows' arms as probes of at least the policy's dwell.
+        record = versions[post["dynspec_version"]]
+        assert record.reason == "explore" and record.outcome == "applied"
+        sent, _ = decode_update(post, arms=core.arms, current_version=0)
+        for j in range(post["dynspec_probes"]):
+            lo, k = post[f"dynspec_p{j}_min_bs"], post[f"dynspec_p{j}_k"]
+            assert post[f"dynspec_p{j}_steps"] >= 8
+            assert lookup_arm(record.table, lo) == k
+            assert BandIndex(sent).ks_for(lo) != (k,) * N_BANDS  # not the exploring row
+    assert live_version in versions and versions[live_version].outcome == "applied"
+    assert left == []  # the stop's greedy table ends any live probe
+
+
+def lookup_arm(table, b):
+    for bound, k in table:
+        if bound is None or b <= bound:
+            return k
+    return table[-1][1]
+
+
 def test_a_v1_server_gets_only_band_agnostic_tables(tmp_path):
     with Sim(plugin_protocol=1) as sim:
         d = _run(sim, tmp_path, 60)
@@ -99,6 +137,7 @@ def test_a_v1_server_gets_only_band_agnostic_tables(tmp_path):
     assert refused == 0 and version >= 1
     assert sim.posts and {p["dynspec_protocol"] for p in sim.posts} == {1}
     assert _banded_posts(sim.posts) == []
+    assert not any("dynspec_probes" in p for p in sim.posts)
     assert is_uniform(final)
     with Storage(f"sqlite:///{tmp_path / 'h.db'}", read_only=True) as st:
         assert all(v.bands is None for v in st.policy_versions(server=sim.addr))
@@ -314,3 +353,32 @@ def test_the_report_shows_a_banded_version_whole(tmp_path):
     (version,) = report_to_json(report)["servers"][0]["versions"]
     assert version["table"] == [[8, 3], [None, 1]]  # what a v1 reader runs
     assert version["bands"] == [[8, 3, 1, 3, 3, 5], [None, 1, 0, 1, 1, 3]]
+
+
+def test_probes_go_out_while_the_proposal_explores_and_a_greedy_proposal_ends_them(tmp_path):
+    srv, clock = _fake_server(), FakeClock()
+    d = _fake_daemon(srv, tmp_path, clock)
+    d.run_once()
+    policy = d.policy_of("gpu:1")
+    greedy = policy.banded
+    exploring = ((8, (3, 1, 3, 3, 3)), (None, (0,) * 5))  # b > 8 tries k = 0 in every band
+    policy.propose_bands = lambda: exploring
+
+    def decide():
+        before = len(srv.posts)
+        clock.advance(5.0)
+        d.run_once()
+        return srv.posts[before:]
+
+    for _ in range(2):  # every decision that explores sends the probe again
+        (post,) = decide()
+        assert post["dynspec_probes"] == 1
+        assert (post["dynspec_p0_min_bs"], post["dynspec_p0_max_bs"]) == (9, -1)
+        assert (post["dynspec_p0_k"], post["dynspec_p0_steps"]) == (0, 114)
+        assert srv.cores[0].band_table == greedy  # the table stays the greedy one
+        assert srv.cores[0].probes == [[9, 2**62, 0, 114]]
+    policy.propose_bands = lambda: greedy
+    (post,) = decide()  # the same table, no probes: the live ones end
+    assert "dynspec_probes" not in post and srv.cores[0].probes == []
+    assert decide() == []  # and then nothing to send
+    d.shutdown()

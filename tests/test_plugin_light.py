@@ -101,9 +101,9 @@ def test_a_policy_file_naming_an_unbuilt_arm_changes_nothing(tmp_path):
 
 def test_check_update_changes_nothing_until_committed():
     core = PluginCore((0, 1, 3), started_at=0.0, default_arm=1)
-    table, version = core.check_update(encode_update(((4, 3), (None, 0)), 1))
+    table, version, probes = core.check_update(encode_update(((4, 3), (None, 0)), 1))
     assert (core.table, core.version, core.updates_applied) == (((None, 1),), 0, 0)
-    core.commit_update(table, version)
+    core.commit_update(table, version, probes)
     assert (core.band_table, core.version, core.updates_applied) == (table, 1, 1)
     with pytest.raises(ProtocolError, match="not greater"):
         core.check_update(encode_update(((None, 0),), 1))

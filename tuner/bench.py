@@ -45,7 +45,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from policies import DEFAULT_POLICY, BasePolicy, Buckets, Observation
+from policies import DEFAULT_POLICY, BasePolicy, Buckets, Observation, split_probes
 from tuner.bench_config import (
     DEFAULT_ARMS,
     DEFAULT_BENCH_DECISION_PERIOD_S,
@@ -422,16 +422,25 @@ def run_one(
     tracks = [_BucketTrack() for _ in range(len(buckets))]
     version = 0
     switches = 0
+    probing = False  # the last push sent probes
 
     def push(table: Table) -> bool:
-        nonlocal version
-        if table == core.table or table == core.band_table:
+        """Push a proposal if the server does not run it; True when its table changed. A
+        banding server takes an exploring row as a probe, and a proposal that no longer
+        explores ends the probes sent before (as the daemon does)."""
+        nonlocal version, probing
+        probes: tuple = ()
+        if feed.on:
+            table, probes = split_probes(table, feed.greedy())
+        changed = table != core.table and table != core.band_table
+        if not changed and not probes and not probing:
             return False
         version += 1
-        ok, why = core.apply_update(encode_update(table, version))
+        ok, why = core.apply_update(encode_update(table, version, probes=probes))
         if not ok:  # a policy bug; the bench must say so rather than score a stale table
             raise RuntimeError(f"policy {policy!r} proposed a table the plugin refused: {why}")
-        return True
+        probing = bool(probes)
+        return changed
 
     def observed_table() -> Table:
         return core.decision_table() if isinstance(core, _SGLangCore) else core.table

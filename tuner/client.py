@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -22,7 +23,7 @@ from tuner.errors import (
     ServerUnavailableError,
     UpdateRejectedError,
 )
-from tuner.protocol import BandTable, DynspecState, ProtocolError, Table, encode_update
+from tuner.protocol import BandTable, DynspecState, Probe, ProtocolError, Table, encode_update
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -213,20 +214,23 @@ class SGLangClient:
 
     # --- writing ----------------------------------------------------------------------------
 
-    def push(self, table: Table | BandTable, version: int) -> list[bool]:
-        """Send a table as flat keys, in the protocol the server spoke at the last read (v1
-        before any read); returns SGLang's reply, one boolean per DP replica (``False``: that
-        replica refused the update and changed nothing).
+    def push(
+        self, table: Table | BandTable, version: int, probes: Sequence[Probe] = ()
+    ) -> list[bool]:
+        """Send a table (and probes) as flat keys, in the protocol the server spoke at the last
+        read (v1 before any read); returns SGLang's reply, one boolean per DP replica
+        (``False``: that replica refused the update and changed nothing).
 
         Raises:
-            ProtocolError: the table or version is invalid, or banded for a v1 server
-                (nothing was sent).
+            ProtocolError: the table, a probe or the version is invalid, or banded or with
+                probes for a v1 server (nothing was sent).
             ServerUnavailableError: unreachable, timed out or HTTP 5xx (the update may or
                 may not have been applied: read the state again).
             UpdateRejectedError: SGLang's request validation refused the body (HTTP 4xx).
             MalformedReplyError: a reply that is not a list of booleans.
         """
-        body = {"server_args": encode_update(table, version, protocol=self.protocol or 1)}
+        body = {"server_args": encode_update(table, version, protocol=self.protocol or 1,
+                                             probes=probes)}
         path = SET_STATE_PATH
         response = self._request("POST", path, json=body)
         if response.status_code != 200:

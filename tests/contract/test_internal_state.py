@@ -70,6 +70,23 @@ def test_a_valid_update_applies_atomically_and_drives_the_next_launch(server):
         assert worker.speculative_num_steps == k
 
 
+def test_a_probe_runs_its_arm_for_its_launches_then_the_table(server):
+    controller, core, worker = server
+    probes = [(9, 64, 5, 3)]
+    assert send(controller, encode_update(TABLE, 1, probes=probes)) is True
+    assert core.table == TABLE
+    ran = []
+    for b in (4, 9, 32, 8, 64, 64, 65):
+        worker.activate_step_by_batch(b)
+        ran.append(worker.speculative_num_steps)
+    # b = 4 and 8 lie outside the probe; its three launches run k = 5, then the table's 1.
+    assert ran == [5, 5, 5, 5, 5, 1, 0]
+    assert core.probes == []
+    bad = {**encode_update(TABLE, 2, probes=probes), "dynspec_p0_k": 7}
+    assert send(controller, bad) is False  # an unbuilt probe arm: refused, nothing changes
+    assert (core.version, core.updates_rejected) == (1, 1)
+
+
 def _drop(key):
     return lambda d: {k: v for k, v in d.items() if k != key}
 

@@ -7,7 +7,7 @@ import logging
 import math
 from collections.abc import Sequence
 
-from policies import Observation
+from policies import Observation, split_probes
 from storage import ObservationRecord
 from tuner.config import TunerConfig
 from tuner.daemon._records import _Server
@@ -97,7 +97,7 @@ class _Pusher:
                 log.info("%s: would push v%d %s (%s; dry run)", srv.address, srv.version,
                          show_table(proposal), reason)
             return 0
-        if proposal == srv.server_table:
+        if proposal == srv.server_table and not srv.probing:
             if repush:
                 log.info("%s: the restarted server already runs %s; nothing to re-push",
                          srv.address, show_table(proposal))
@@ -123,8 +123,15 @@ class _Pusher:
 
     def _push(self, srv: _Server, table: AnyTable, reason: str, now: float) -> int:
         version = srv.version + 1
+        # A banding server takes an exploring row as a probe: it runs the arm for a few steps
+        # and goes back to the greedy table by itself (policies/_probes.py). The history keeps
+        # the proposal as before; the server reports the greedy table while a probe runs.
+        sent, probes = table, ()
+        if srv.bands and srv.policy is not None:
+            base, probes = split_probes(table, self._proposal(srv, greedy=True))
+            sent = canon(base)
         try:
-            reply = srv.client.push(table, version)
+            reply = srv.client.push(sent, version, probes)
         except ServerUnavailableError as exc:
             # It may have been applied before the connection broke: never call it foreign.
             srv.sent_version = max(srv.sent_version, version)
@@ -150,14 +157,19 @@ class _Pusher:
         if any(reply):
             srv.sent_version = max(srv.sent_version, version)
         if all(reply):
-            srv.server_table = table
+            # A probe re-sent over an unchanged table is routine: said at debug level.
+            say = log.info if sent != srv.server_table or not probes else log.debug
+            srv.server_table = sent
+            srv.probing = bool(probes)
             srv.server_version = version
             srv.needs_push = False
             srv.rejected_table = None
             srv.last_refusal = None
             srv.pushes += 1
             self._record_version(srv, now, version, table, reason, "applied")
-            log.info("%s: pushed v%d %s (%s)", srv.address, version, show_table(table), reason)
+            say("%s: pushed v%d %s (%s)%s", srv.address, version, show_table(sent), reason,
+                "".join(f"; probe b {lo}..{'' if hi is None else hi}: k{k} for {n} steps"
+                        for lo, hi, k, n in probes))
             if self.metrics is not None:
                 self.metrics.record_push(srv.address, version)
             return 1

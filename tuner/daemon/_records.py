@@ -124,6 +124,7 @@ class _Server:
     server_version: int | None = None  # as last read or applied
     desired: AnyTable | None = None  # what we want the server to run (re-pushed after restarts)
     needs_push: bool = False
+    probing: bool = False  # the last applied push sent probes (a greedy proposal ends them)
     repush: bool = False  # needs_push because the server restarted (the reason recorded)
     start_table: AnyTable | None = None  # what the server ran before any push (gain baseline)
     last_decision: float | None = None

@@ -233,7 +233,7 @@ def build_policy_class(base: type) -> type:
                         "(dynspec-tuner sglang-args writes one).",
                         len(self._slots),
                     )
-                self._dynspec_default = core.steps_for_batch(1)
+                self._dynspec_default = core.ks_for(1)[core.acceptance.band]
                 rank0 = _is_tp_rank0()
                 # Every rank folds verify results into the acceptance estimate (the lookup
                 # needs it everywhere); only rank 0 keeps the counters the readout reports.
@@ -256,6 +256,10 @@ def build_policy_class(base: type) -> type:
                 return super().get_steps_for_batch(batch_size)
             try:
                 # PluginCore.steps_for_batch inlined: this runs at every decode launch.
+                if core.probes:
+                    k = core.probe_arm(batch_size)
+                    if k is not None:
+                        return k
                 index = core._index
                 ks = index.flat[batch_size] if 0 <= batch_size < index.n_flat else \
                     index.ks_for(batch_size)
@@ -298,7 +302,7 @@ def set_internal_state_hook(original: Callable[..., Any], self: Any, recv_req: A
         return original(self, recv_req, *args, **kwargs)
     if plan is _REFUSE:
         return _updated(False)
-    core, table, version, rest = plan
+    core, table, version, probes, rest = plan
     out = None
     if rest:
         # SGLang validates and applies its own keys all-or-nothing; ours wait for its verdict.
@@ -315,8 +319,9 @@ def set_internal_state_hook(original: Callable[..., Any], self: Any, recv_req: A
                 _note_hook_error("update", exc)
             return out
     try:
-        core.commit_update(table, version)
-        logger.info("dynspec: policy v%d applied: %s", version, format_band_table(table))
+        core.commit_update(table, version, probes)
+        logger.info("dynspec: policy v%d applied: %s%s", version, format_band_table(table),
+                    f" (probes {[list(p) for p in probes]})" if probes else "")
     except Exception as exc:  # cannot happen with a checked table; never raise regardless
         _note_hook_error("update", exc)
         return out if out is not None else _updated(False)
@@ -336,13 +341,13 @@ def _plan_update(controller: Any, recv_req: Any) -> Any:
         _stock_reject(f"dynspec is not live here: {_stock_reason(controller.scheduler, None)}")
         return _REFUSE
     try:
-        table, version = core.check_update(server_args)
+        table, version, probes = core.check_update(server_args)
     except ProtocolError as exc:
         core.reject(str(exc))
         logger.warning("dynspec: update refused: %s", exc)
         return _REFUSE
     rest = {k: v for k, v in server_args.items() if not str(k).startswith(KEY_PREFIX)}
-    return core, table, version, rest
+    return core, table, version, probes, rest
 
 
 def _with_server_args(recv_req: Any, server_args: dict[str, Any]) -> Any:

@@ -20,12 +20,14 @@ from tuner.protocol import (
     BandTable,
     CounterRow,
     DynspecState,
+    Probe,
     ProtocolError,
     Table,
     TreeShape,
     as_band_table,
     band_agnostic,
     class_of,
+    decode_probes,
     decode_update,
     is_uniform,
 )
@@ -34,6 +36,8 @@ __all__ = ["MAX_STEP_GAP_S", "PluginCore", "Telemetry"]
 
 # SGLang's own step counters ignore launch-to-launch gaps above 2 s (idle, not busy).
 MAX_STEP_GAP_S = 2.0
+# A live probe's upper bound where it has none (larger than any batch).
+_NO_BOUND = 2**62
 
 
 class Telemetry:
@@ -223,6 +227,9 @@ class PluginCore:
         self.last_rejection: str | None = None
         self.telemetry = Telemetry()
         self.acceptance = AcceptanceEstimate()
+        # Live probes as [lo, hi, k, steps left] (hi: a large int for "no bound"); an update
+        # replaces them all, and a probe whose steps are spent is dropped.
+        self.probes: list[list[int]] = []
         self._set_table(self._checked(table or ((None, default_arm),)))
 
     def _checked(self, table: Table | BandTable) -> BandTable:
@@ -246,8 +253,25 @@ class PluginCore:
     # --- hot path ---------------------------------------------------------------------------
 
     def steps_for_batch(self, batch_size: int) -> int:
-        """The arm for a batch of ``batch_size`` in the estimate's current band."""
+        """The arm for a decode launch of ``batch_size`` in the estimate's current band (a
+        live probe's arm where one covers it: the launch spends one of its steps)."""
+        if self.probes:
+            k = self.probe_arm(batch_size)
+            if k is not None:
+                return k
         return self.ks_for(batch_size)[self.acceptance.band]
+
+    def probe_arm(self, batch_size: int) -> int | None:
+        """The arm of the live probe covering ``batch_size``, spending one of its steps; None
+        where no probe covers it. Every TP rank launches the same batches in the same order,
+        so every rank spends the same steps and runs the same arm (docs/protocol.md)."""
+        for p in self.probes:
+            if p[0] <= batch_size <= p[1]:
+                p[3] -= 1
+                if p[3] <= 0:
+                    self.probes = [q for q in self.probes if q is not p]
+                return p[2]
+        return None
 
     def arm_of_width(self, draft_tokens: int) -> int:
         """The arm a step that verified ``draft_tokens`` tokens per request ran."""
@@ -292,13 +316,15 @@ class PluginCore:
             ``(True, None)`` when applied, else ``(False, reason)`` with nothing changed.
         """
         try:
-            table, version = self.check_update(server_args)
+            table, version, probes = self.check_update(server_args)
         except ProtocolError as exc:
             return self.reject(str(exc))
-        self.commit_update(table, version)
+        self.commit_update(table, version, probes)
         return True, None
 
-    def check_update(self, server_args: Mapping[str, Any]) -> tuple[BandTable, int]:
+    def check_update(
+        self, server_args: Mapping[str, Any]
+    ) -> tuple[BandTable, int, tuple[Probe, ...]]:
         """Validate the ``dynspec_*`` keys of an update without applying or counting anything.
 
         For callers that must validate more than our keys before committing (the SGLang hook
@@ -310,17 +336,22 @@ class PluginCore:
         """
         accept = (1,) if self.protocol == 1 else (1, PROTOCOL_VERSION)
         try:
-            return decode_update(
+            table, version = decode_update(
                 server_args, arms=self.arms, current_version=self.version, accept=accept
             )
+            return table, version, decode_probes(server_args, arms=self.arms)
         except ProtocolError:
             raise
         except Exception as exc:  # hostile payloads must never escape as anything else
             raise ProtocolError(f"malformed update: {type(exc).__name__}: {exc}") from exc
 
-    def commit_update(self, table: Table | BandTable, version: int) -> None:
-        """Apply a table that :meth:`check_update` returned (no validation repeated)."""
+    def commit_update(
+        self, table: Table | BandTable, version: int, probes: Sequence[Probe] = ()
+    ) -> None:
+        """Apply a table and probes that :meth:`check_update` returned (no validation
+        repeated); an update without probes ends the live ones."""
         self._set_table(as_band_table(table))
+        self.probes = [[lo, _NO_BOUND if hi is None else hi, k, n] for lo, hi, k, n in probes]
         self.version = version
         self.updates_applied += 1
         self.last_rejection = None

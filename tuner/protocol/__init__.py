@@ -58,10 +58,14 @@ from tuner.protocol._readout import (
     counter_deltas,
 )
 from tuner.protocol._update import (
+    MAX_PROBE_STEPS,
+    Probe,
     as_band_table,
+    decode_probes,
     decode_update,
     encode_update,
     has_dynspec_keys,
+    validate_probes,
 )
 
 __all__ = [
@@ -71,6 +75,7 @@ __all__ = [
     "COUNTER_FIELDS",
     "KEY_PREFIX",
     "MAX_INT",
+    "MAX_PROBE_STEPS",
     "MAX_ROWS",
     "N_BANDS",
     "N_CLASSES",
@@ -84,6 +89,7 @@ __all__ = [
     "BandTable",
     "CounterRow",
     "DynspecState",
+    "Probe",
     "ProtocolError",
     "Row",
     "Table",
@@ -98,6 +104,7 @@ __all__ = [
     "class_of",
     "class_range",
     "counter_deltas",
+    "decode_probes",
     "decode_update",
     "encode_update",
     "format_band_table",
@@ -109,5 +116,6 @@ __all__ = [
     "table_from_json",
     "table_to_json",
     "validate_band_table",
+    "validate_probes",
     "validate_table",
 ]
