@@ -4,13 +4,15 @@ A server that takes probes (protocol v2) runs a probe's arm for a given number o
 steps of its batch sizes and then goes back to the table by itself, so an exploring dwell
 lasts that many steps instead of the time until the next table arrives (a decision period,
 2 s by default). At 128-256 requests a decision period holds tens of steps, and one dwell of
-an arm far from the best cost 2-3 points of a phase of the bench (docs/bench.md, "Probes").
+an arm far from the best cost 2-3 points of a phase of the bench (docs/bench.md,
+"Exploring probes").
 
 How long: at least the dwell every learning policy asks of an arm
 (``DEFAULT_MIN_DWELL_STEPS`` decode steps), and at least ``PROBE_REQUEST_STEPS``
-request-steps at the bucket's smallest batch size, so a probe measures acceptance on about
-as many requests at one request as at 256. Below ~64 requests that is more steps than a
-decision period holds, and exploring goes on as before: until the next table.
+request-steps at the bucket's smallest batch size, so a probe measures about as many
+request-steps at 16 requests as at 256. Below ~64 requests that is more steps than a
+decision period holds, and exploring goes on as before: until the next proposal, which
+ends the probe if it no longer explores.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ def probe_steps(lo: int, min_steps: int = DEFAULT_MIN_DWELL_STEPS) -> int:
 
 
 def _ks(row_k: object, n: int) -> tuple[int, ...]:
-    return tuple(row_k) if isinstance(row_k, tuple) else (int(row_k),) * n  # type: ignore[arg-type]
+    if isinstance(row_k, tuple):
+        return row_k
+    return (int(row_k),) * n  # type: ignore[call-overload]
 
 
 def split_probes(

@@ -382,3 +382,18 @@ def test_probes_go_out_while_the_proposal_explores_and_a_greedy_proposal_ends_th
     assert "dynspec_probes" not in post and srv.cores[0].probes == []
     assert decide() == []  # and then nothing to send
     d.shutdown()
+
+
+def test_the_stop_ends_a_live_probe_even_where_the_table_is_already_greedy(tmp_path):
+    srv, clock = _fake_server(), FakeClock()
+    d = _fake_daemon(srv, tmp_path, clock)
+    d.run_once()
+    policy = d.policy_of("gpu:1")
+    policy.propose_bands = lambda: ((8, (3, 1, 3, 3, 3)), (None, (0,) * 5))
+    clock.advance(5.0)
+    d.run_once()
+    assert srv.posts[-1]["dynspec_probes"] == 1 and srv.cores[0].probes
+    assert srv.cores[0].band_table == policy.banded  # already the greedy table ...
+    d.shutdown()
+    assert "dynspec_probes" not in srv.posts[-1]  # ... and still sent, to end the probe
+    assert srv.cores[0].probes == [] and d.unclean == {}

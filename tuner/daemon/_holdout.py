@@ -149,7 +149,7 @@ class _Holdout:
                 self._event(srv.address, now, "holdout_start",
                             f"block {block}: baseline {show_table(h.base)} for "
                             f"{h.schedule.window_s:g} s")
-            if srv.server_table == h.base:
+            if srv.server_table == h.base and not srv.probing:
                 return 0
             pushed = self._push(srv, h.base, HOLDOUT_REASON, now)
             if not pushed:

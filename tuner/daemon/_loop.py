@@ -216,7 +216,7 @@ class Daemon(_Session, _Pusher, _PolicyBook, _HistoryWriter, _Holdout):
                 continue
             self._holdout_stop(srv, now)  # a baseline window ends here, like any table
             greedy = self._proposal(srv, greedy=True)
-            if greedy == srv.server_table:
+            if greedy == srv.server_table and not srv.probing:
                 continue
             if srv.down_since is None and self._push(srv, greedy, "shutdown: greedy table", now):
                 continue

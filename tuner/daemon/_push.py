@@ -108,7 +108,7 @@ class _Pusher:
             srv.needs_push = False
             log.debug("%s: not pushing %s again (refused)", srv.address, show_table(proposal))
             return 0
-        return self._push(srv, proposal, reason, now)
+        return self._push(srv, proposal, reason, now, explore=True)
 
     def _proposal(self, srv: _Server, *, greedy: bool) -> AnyTable:
         """The policy's next table (``greedy``: its greedy one) for this server, in the
@@ -121,13 +121,17 @@ class _Pusher:
                 return canon(table)
         return policy.greedy() if greedy else policy.propose()
 
-    def _push(self, srv: _Server, table: AnyTable, reason: str, now: float) -> int:
+    def _push(self, srv: _Server, table: AnyTable, reason: str, now: float,
+              explore: bool = False) -> int:
+        """Push ``table``; ``explore``: it is the policy's proposal, whose exploring rows a
+        banding server takes as probes. Any other table (a baseline window's, the greedy
+        one at stop) goes whole, and ends the probes sent before."""
         version = srv.version + 1
-        # A banding server takes an exploring row as a probe: it runs the arm for a few steps
-        # and goes back to the greedy table by itself (policies/_probes.py). The history keeps
-        # the proposal as before; the server reports the greedy table while a probe runs.
+        # A probe runs its arm for a few steps and the server goes back to the greedy table by
+        # itself (policies/_probes.py). The history keeps the proposal as before; the server
+        # reports the greedy table while a probe runs.
         sent, probes = table, ()
-        if srv.bands and srv.policy is not None:
+        if explore and srv.bands and srv.policy is not None:
             base, probes = split_probes(table, self._proposal(srv, greedy=True))
             sent = canon(base)
         try:

@@ -156,7 +156,7 @@ def decode_update(
     """
     if not isinstance(server_args, Mapping):
         raise ProtocolError(f"server_args must be an object, got {type(server_args).__name__}")
-    ours = {k: v for k, v in server_args.items() if isinstance(k, str) and k.startswith(KEY_PREFIX)}
+    ours = _ours(server_args)
     if "dynspec_protocol" not in ours:
         raise ProtocolError("dynspec_protocol is missing")
     proto = _as_int(ours["dynspec_protocol"], "dynspec_protocol")
@@ -212,9 +212,15 @@ def decode_probes(server_args: Mapping[str, object], *, arms: Iterable[int]) -> 
     Raises:
         ProtocolError: as :func:`decode_update` would for the same keys.
     """
-    ours = {k: v for k, v in server_args.items() if isinstance(k, str) and k.startswith(KEY_PREFIX)}
+    ours = _ours(server_args)
     proto = _as_int(ours.get("dynspec_protocol"), "dynspec_protocol")
     return validate_probes(_probe_rows(ours, proto, set()), arms)
+
+
+def _ours(server_args: Mapping[str, object]) -> dict[str, object]:
+    """The update's ``dynspec_*`` keys (the rest belong to SGLang)."""
+    return {k: v for k, v in server_args.items()
+            if isinstance(k, str) and k.startswith(KEY_PREFIX)}
 
 
 def _probe_rows(ours: Mapping[str, object], proto: int, expected: set[str]) -> list[tuple]:
