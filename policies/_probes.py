@@ -10,7 +10,7 @@ an arm far from the best cost 2-3 points of a phase of the bench (docs/bench.md,
 How long: at least the dwell every learning policy asks of an arm
 (``DEFAULT_MIN_DWELL_STEPS`` decode steps), and at least ``PROBE_REQUEST_STEPS``
 request-steps at the bucket's smallest batch size, so a probe measures about as many
-request-steps at 16 requests as at 256. Below ~64 requests that is more steps than a
+request-steps at 16 requests as at 256. At a few requests that is more steps than a
 decision period holds, and exploring goes on as before: until the next proposal, which
 ends the probe if it no longer explores.
 """
