@@ -77,7 +77,8 @@ class _Pusher:
                           srv.address, self.config.policy, exc,
                           show_table(srv.server_table) if srv.server_table else "the table")
                 return 0
-            reason = "greedy" if proposal == self._proposal(srv, greedy=True) else "explore"
+            greedy = self._proposal(srv, greedy=True)
+            reason = "greedy" if proposal == greedy else "explore"
             if repush and proposal == before:
                 reason = "re-push after restart"
             srv.desired = proposal
@@ -86,6 +87,7 @@ class _Pusher:
             if proposal is not None and not srv.bands:
                 proposal = flat(proposal)  # never a banded table to a v1 plugin
             reason = "re-push after restart" if repush else "re-push: replicas disagree"
+            greedy = self._proposal(srv, greedy=True) if srv.bands else None
         if proposal is None:
             srv.needs_push = False
             return 0
@@ -108,7 +110,7 @@ class _Pusher:
             srv.needs_push = False
             log.debug("%s: not pushing %s again (refused)", srv.address, show_table(proposal))
             return 0
-        return self._push(srv, proposal, reason, now, explore=True)
+        return self._push(srv, proposal, reason, now, over=greedy)
 
     def _proposal(self, srv: _Server, *, greedy: bool) -> AnyTable:
         """The policy's next table (``greedy``: its greedy one) for this server, in the
@@ -122,17 +124,18 @@ class _Pusher:
         return policy.greedy() if greedy else policy.propose()
 
     def _push(self, srv: _Server, table: AnyTable, reason: str, now: float,
-              explore: bool = False) -> int:
-        """Push ``table``; ``explore``: it is the policy's proposal, whose exploring rows a
-        banding server takes as probes. Any other table (a baseline window's, the greedy
-        one at stop) goes whole, and ends the probes sent before."""
+              over: AnyTable | None = None) -> int:
+        """Push ``table``; ``over``: the greedy table, when ``table`` is the policy's proposal,
+        whose exploring rows a banding server then takes as probes over it. Any other table
+        (a baseline window's, the greedy one at stop) goes whole, and ends the probes sent
+        before."""
         version = srv.version + 1
         # A probe runs its arm for a few steps and the server goes back to the greedy table by
         # itself (policies/_probes.py). The history keeps the proposal as before; the server
         # reports the greedy table while a probe runs.
         sent, probes = table, ()
-        if explore and srv.bands and srv.policy is not None:
-            base, probes = split_probes(table, self._proposal(srv, greedy=True))
+        if over is not None and srv.bands:
+            base, probes = split_probes(table, over)
             sent = canon(base)
         try:
             reply = srv.client.push(sent, version, probes)

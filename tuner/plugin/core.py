@@ -27,8 +27,7 @@ from tuner.protocol import (
     as_band_table,
     band_agnostic,
     class_of,
-    decode_probes,
-    decode_update,
+    decode_update_with_probes,
     is_uniform,
 )
 
@@ -336,10 +335,9 @@ class PluginCore:
         """
         accept = (1,) if self.protocol == 1 else (1, PROTOCOL_VERSION)
         try:
-            table, version = decode_update(
+            return decode_update_with_probes(
                 server_args, arms=self.arms, current_version=self.version, accept=accept
             )
-            return table, version, decode_probes(server_args, arms=self.arms)
         except ProtocolError:
             raise
         except Exception as exc:  # hostile payloads must never escape as anything else

@@ -138,13 +138,13 @@ def has_dynspec_keys(server_args: Mapping[str, object]) -> bool:
     return any(isinstance(key, str) and key.startswith(KEY_PREFIX) for key in server_args)
 
 
-def decode_update(
+def decode_update_with_probes(
     server_args: Mapping[str, object],
     *,
     arms: Iterable[int],
     current_version: int,
     accept: Sequence[int] = SUPPORTED_PROTOCOLS,
-) -> tuple[BandTable, int]:
+) -> tuple[BandTable, int, tuple[Probe, ...]]:
     """Validate the ``dynspec_*`` keys of an update as a whole and return ``(table, version)``.
 
     Keys without the prefix are ignored (they belong to SGLang). Nothing here mutates state:
@@ -202,16 +202,26 @@ def decode_update(
     if extra:
         raise ProtocolError(f"unexpected keys for a {n}-row table: {', '.join(extra[:5])}")
     table = validate_band_table(rows, arms)
-    validate_probes(probes, arms)
+    return table, version, validate_probes(probes, arms)
+
+
+def decode_update(
+    server_args: Mapping[str, object],
+    *,
+    arms: Iterable[int],
+    current_version: int,
+    accept: Sequence[int] = SUPPORTED_PROTOCOLS,
+) -> tuple[BandTable, int]:
+    """:func:`decode_update_with_probes` without the probes."""
+    table, version, _ = decode_update_with_probes(
+        server_args, arms=arms, current_version=current_version, accept=accept
+    )
     return table, version
 
 
 def decode_probes(server_args: Mapping[str, object], *, arms: Iterable[int]) -> tuple[Probe, ...]:
-    """The probes of an update that :func:`decode_update` accepted (none in a v1 update).
-
-    Raises:
-        ProtocolError: as :func:`decode_update` would for the same keys.
-    """
+    """The probes of an update (none in a v1 update), validated as
+    :func:`decode_update_with_probes` validates them, the table and version aside."""
     ours = _ours(server_args)
     proto = _as_int(ours.get("dynspec_protocol"), "dynspec_protocol")
     return validate_probes(_probe_rows(ours, proto, set()), arms)
@@ -249,6 +259,7 @@ __all__ = [
     "as_band_table",
     "decode_probes",
     "decode_update",
+    "decode_update_with_probes",
     "encode_update",
     "has_dynspec_keys",
     "probe_keys",
