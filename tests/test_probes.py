@@ -9,6 +9,7 @@ from policies import PROBE_REQUEST_STEPS, probe_steps, split_probes
 from tuner.plugin.core import PluginCore
 from tuner.protocol import (
     MAX_PROBE_STEPS,
+    DynspecState,
     ProtocolError,
     decode_probes,
     decode_update,
@@ -103,6 +104,31 @@ def test_a_probe_overrides_every_band_and_a_later_update_ends_it():
     assert core.apply_update(encode_update(banded, 2))[0]  # no probes: none live
     assert core.probes == []
     assert [core.ks_for(64)[b] for b in range(5)] == [3, 1, 3, 5, 5]
+
+
+def test_the_readout_shows_live_probes_with_their_steps_left():
+    core = PluginCore(ARMS, started_at=0.0, table=TABLE)
+    assert core.apply_update(_update([(2, 4, 5, 3), (9, None, 0, 10)]))[0]
+    core.steps_for_batch(3)
+    out = core.readout()
+    assert out["probes"] == [[2, 4, 5, 2], [9, -1, 0, 10]]
+    assert DynspecState.from_json(out).probes == ((2, 4, 5, 2), (9, None, 0, 10))
+    assert DynspecState.from_json(out) == core.state()
+    core.steps_for_batch(3)
+    core.steps_for_batch(4)  # the first probe's last step: it is gone
+    assert core.readout()["probes"] == [[9, -1, 0, 10]]
+    assert core.apply_update(_update([], version=2))[0]
+    assert "probes" not in core.readout()  # none live: omitted, as before probes existed
+    # A v1 readout never carries them.
+    assert "probes" not in PluginCore(ARMS, started_at=0.0, protocol=1).readout()
+
+
+@pytest.mark.parametrize("bad", [{"x": 1}, [[1, 2, 9, 5]], [[4, 2, 1, 5]], [[1, 2, 1, 0]]])
+def test_a_readout_with_malformed_probes_is_refused(bad):
+    out = PluginCore(ARMS, started_at=0.0).readout()
+    out["probes"] = bad
+    with pytest.raises(ProtocolError, match="probe"):
+        DynspecState.from_json(out)
 
 
 def test_every_rank_spends_a_probe_on_the_same_launches():

@@ -79,9 +79,11 @@ def test_a_probe_runs_its_arm_for_its_launches_then_the_table(server):
     for b in (4, 9, 32, 8, 64, 64, 65):
         worker.activate_step_by_batch(b)
         ran.append(worker.speculative_num_steps)
+        if b == 9:  # SGLang's readout shows the live probe, one launch spent
+            assert readout(controller).probes == ((9, 64, 5, 2),)
     # b = 4 and 8 lie outside the probe; its three launches run k = 5, then the table's 1.
     assert ran == [5, 5, 5, 5, 5, 1, 0]
-    assert core.probes == []
+    assert core.probes == [] and readout(controller).probes == ()
     bad = {**encode_update(TABLE, 2, probes=probes), "dynspec_p0_k": 7}
     assert send(controller, bad) is False  # an unbuilt probe arm: refused, nothing changes
     assert (core.version, core.updates_rejected) == (1, 1)

@@ -388,6 +388,8 @@ class PluginCore:
             band_table=None if is_uniform(self.band_table) else self.band_table,
             bands=self.telemetry.band_rows() if v2 else (),
             acceptance=(est.band, est.alpha) if v2 else None,
+            probes=tuple((lo, None if hi == _NO_BOUND else hi, k, left)
+                         for lo, hi, k, left in self.probes),
         )
 
     def readout(self, *, hooks_live: bool = True, reason: str | None = None) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from tuner.protocol._base import (
     table_from_json,
     table_to_json,
 )
+from tuner.protocol._update import Probe, probes_to_json, validate_probes
 
 # --- base-64 digits ---------------------------------------------------------------------------
 
@@ -391,6 +392,8 @@ class DynspecState:
     band_table: BandTable | None = None
     bands: tuple[BandCounter, ...] = ()
     acceptance: tuple[int, float | None] | None = None
+    # Live probes (v2), steps left rather than steps sent: omitted when none.
+    probes: tuple[Probe, ...] = ()
 
     @property
     def banded_table(self) -> BandTable:
@@ -420,6 +423,8 @@ class DynspecState:
                 band, alpha = self.acceptance
                 # Per mille: the estimate's resolution that matters, in a few characters.
                 out["acceptance"] = [band, None if alpha is None else round(alpha * 1000)]
+            if self.probes:
+                out["probes"] = probes_to_json(self.probes)
         if self.reason is not None:
             out["reason"] = self.reason
         if self.last_rejection is not None:
@@ -475,6 +480,7 @@ class DynspecState:
         band_table: BandTable | None = None
         bands: tuple[BandCounter, ...] = ()
         acceptance = None
+        probes: tuple[Probe, ...] = ()
         if proto >= 2:
             if not isinstance(obj["table"], list):
                 raise ProtocolError("table must be a JSON list")
@@ -484,6 +490,10 @@ class DynspecState:
             counters = _decode_counters(counters_raw)
             bands = _decode_bands(obj.get("bands", []))
             acceptance = _parse_acceptance(obj.get("acceptance"))
+            raw_probes = obj.get("probes", [])
+            if not isinstance(raw_probes, list):
+                raise ProtocolError(f"probes must be a list, got {raw_probes!r:.80}")
+            probes = validate_probes(raw_probes, arms)
         else:
             if not isinstance(counters_raw, list):
                 raise ProtocolError("counters must be a list")
@@ -508,6 +518,7 @@ class DynspecState:
             band_table=band_table,
             bands=bands,
             acceptance=acceptance,
+            probes=probes,
         )
 
 

@@ -80,6 +80,12 @@ def validate_probes(probes: Iterable[Sequence[object]], arms: Iterable[int] | No
     return tuple(out)
 
 
+def probes_to_json(probes: Iterable[Probe]) -> list[list[int]]:
+    """``[[lo, hi, k, steps], ...]`` with ``hi`` UNBOUNDED (-1) where there is none: the
+    readout's form, which :func:`validate_probes` reads back."""
+    return [[lo, UNBOUNDED if hi is None else hi, k, n] for lo, hi, k, n in probes]
+
+
 def probe_keys(j: int) -> list[str]:
     """The update keys of probe ``j`` (protocol v2)."""
     return [f"dynspec_p{j}_{f}" for f in PROBE_FIELDS]
@@ -263,5 +269,6 @@ __all__ = [
     "encode_update",
     "has_dynspec_keys",
     "probe_keys",
+    "probes_to_json",
     "validate_probes",
 ]
