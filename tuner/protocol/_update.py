@@ -134,8 +134,7 @@ def encode_update(
             flat.update(zip(band_row_keys(i), ks[1:], strict=True))
     if checked:
         flat["dynspec_probes"] = len(checked)
-        for j, (lo, hi, k, steps) in enumerate(checked):
-            values = (lo, UNBOUNDED if hi is None else hi, k, steps)
+        for j, values in enumerate(probes_to_json(checked)):
             flat.update(zip(probe_keys(j), values, strict=True))
     return flat
 
