@@ -397,3 +397,38 @@ def test_the_stop_ends_a_live_probe_even_where_the_table_is_already_greedy(tmp_p
     d.shutdown()
     assert "dynspec_probes" not in srv.posts[-1]  # ... and still sent, to end the probe
     assert srv.cores[0].probes == [] and d.unclean == {}
+
+
+def test_the_status_shows_a_live_probe_until_the_server_reports_it_spent(tmp_path):
+    from rich.console import Console
+
+    from tuner.status import render_status, status_lines
+
+    srv, clock = _fake_server(), FakeClock()
+    d = _fake_daemon(srv, tmp_path, clock)
+    d.run_once()
+    policy = d.policy_of("gpu:1")
+    greedy = policy.banded
+    policy.propose_bands = lambda: ((8, (3, 1, 3, 3, 3)), (None, (0,) * 5))
+    clock.advance(5.0)
+    d.run_once()
+    (st,) = d.status().servers
+    assert st.probes == ((9, None, 0, 114),)  # as sent
+    (line,) = status_lines(d.status())
+    assert "probing b 9.. k=0 (114 steps left)" in line
+    console = Console(width=160, record=True, force_terminal=False)
+    console.print(render_status(d.status()))
+    assert "probing b 9.. k=0 (114 steps left)" in console.export_text()
+    srv.decode(16, 40)  # the probe runs: the next reading says what is left of it
+    clock.advance(1.0)
+    d.run_once()
+    ((lo, hi, k, left),) = d.status().servers[0].probes
+    assert (lo, hi, k) == (9, None, 0) and 114 - 41 <= left < 114
+    policy.propose_bands = lambda: greedy
+    clock.advance(4.0)
+    d.run_once()  # the greedy proposal ends it, and the server's next readout agrees
+    clock.advance(1.0)
+    d.run_once()
+    assert d.status().servers[0].probes == ()
+    assert "probing" not in status_lines(d.status())[0]
+    d.shutdown()

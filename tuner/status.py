@@ -104,6 +104,8 @@ def _server_header(st: ServerStatus, now: float) -> Text:
     sb = _switchback(st)
     if sb:
         t.append(f"\n  {sb}", style="magenta" if st.holdout_active else None)
+    if st.probes:
+        t.append(f"\n  {_probes(st)}", style="yellow")
     if st.last_push is not None:
         p = st.last_push
         t.append(f"\n  last push v{p.version} {_ago(now, p.ts)}: {show_table(p.table)} "
@@ -193,12 +195,20 @@ def status_lines(status: DaemonStatus, proc: ProcessStats | None = None) -> list
                 else f"v{st.server_version if st.server_version is not None else st.version} "
                 f"{show_table(st.server_table)}")
         sb = _switchback(st)
+        probing = f" | {_probes(st)}" if st.probes else ""
         lines.append(
-            f"{st.address} {st.mode} runs {runs} | greedy {greedy or '-'} | "
+            f"{st.address} {st.mode} runs {runs}{probing} | greedy {greedy or '-'} | "
             f"{rate}, {st.decode_steps:,} steps, "
             f"{st.pushes} pushes, {st.restarts} restarts{' | ' + sb if sb else ''}{own}{hist}"
         )
     return lines
+
+
+def _probes(st: ServerStatus) -> str:
+    """The live probes: a batch-size range runs one arm for its steps left, then the table."""
+    return "probing " + ", ".join(
+        f"b {lo}..{'' if hi is None else hi} k={k} ({n:,} steps left)"
+        for lo, hi, k, n in st.probes)
 
 
 def _switchback(st: ServerStatus) -> str:

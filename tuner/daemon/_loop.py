@@ -326,6 +326,7 @@ class Daemon(_Session, _Pusher, _PolicyBook, _HistoryWriter, _Holdout):
                     server_version=srv.server_version,
                     switchback=srv.holdout.result if srv.holdout is not None else None,
                     holdout_active=srv.holdout is not None and srv.holdout.active,
+                    probes=srv.probes,
                 )
             )
             if self.metrics is not None and srv.holdout is not None:

@@ -168,6 +168,7 @@ class _Pusher:
             say = log.info if sent != srv.server_table or not probes else log.debug
             srv.server_table = sent
             srv.probing = bool(probes)
+            srv.probes = tuple(probes)
             srv.server_version = version
             srv.needs_push = False
             srv.rejected_table = None

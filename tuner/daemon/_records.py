@@ -11,7 +11,7 @@ from typing import Any
 from policies import BandObservation, BasePolicy, Buckets, PolicySnapshot
 from tuner.client import SGLangClient
 from tuner.daemon._tables import AnyTable
-from tuner.protocol import DynspecState, TreeShape
+from tuner.protocol import DynspecState, Probe, TreeShape
 
 # Rows kept in memory while the database is unavailable (about 100 bytes each). Beyond this
 # the oldest observations are dropped, and counted, rather than exhausting memory.
@@ -71,6 +71,8 @@ class ServerStatus:
     # its baseline table now.
     switchback: Any = None
     holdout_active: bool = False
+    # Live probes, as last read (steps left) or just sent: (min_bs, max_bs, k, steps).
+    probes: tuple[Probe, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,7 @@ class _Server:
     desired: AnyTable | None = None  # what we want the server to run (re-pushed after restarts)
     needs_push: bool = False
     probing: bool = False  # the last applied push sent probes (a greedy proposal ends them)
+    probes: tuple[Probe, ...] = ()  # live probes, as last read or applied
     repush: bool = False  # needs_push because the server restarted (the reason recorded)
     start_table: AnyTable | None = None  # what the server ran before any push (gain baseline)
     last_decision: float | None = None

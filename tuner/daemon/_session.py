@@ -103,6 +103,7 @@ class _Session:
         srv.version = max(srv.version, *(s.policy_version for s in states))
         tables = {_state_table(s) for s in states}
         srv.server_table = _state_table(states[0]) if len(tables) == 1 else None
+        srv.probes = states[0].probes
         if len(tables) > 1 and srv.desired is not None:
             srv.needs_push = True  # replicas disagree: bring them back in step
         srv.started_at = states[0].started_at
