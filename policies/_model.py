@@ -37,6 +37,7 @@ import numpy as np
 from policies._acceptance import ALPHAS, chain_accepted, fit_chain
 from policies._banded import BandBook, BandObservation, BandTable, band_table
 from policies._base import ArmEstimate, Observation
+from policies._drift import StintDrift
 from policies._learning import LearnerParams, LearningPolicy, _require
 from policies._stats import ArmStats, forgetting
 from policies._steptime import (
@@ -196,6 +197,10 @@ class ModelPolicy(LearningPolicy):
         # k = 0 was never tried there.
         self._cost_k = {k: k for k in self.arms}
         self._bands: BandBook | None = None  # acceptance per band, once set_bands is called
+        # How far step times move between an arm's stints (0 unless the data say so), and
+        # its estimate as of the last step-time posterior.
+        self._drift = StintDrift(len(self.buckets), self.arms)
+        self._drift_var = 0.0
         self._band_busy = 0.0  # drafting busy seconds not yet aged into the band book
 
     def set_verify_tokens(self, tokens: Mapping[int, int]) -> None:
@@ -272,7 +277,9 @@ class ModelPolicy(LearningPolicy):
         aged = forgetting(factor, obs.busy_s, self.params.step_time_memory_s)
         for t in self._time[j].values():
             t.decay(aged)
-        self._time[j][obs.k].add(math.log(obs.busy_s / s), weight, weight / s, obs.b, s)
+        log_t = math.log(obs.busy_s / s)
+        self._time[j][obs.k].add(log_t, weight, weight / s, obs.b, s)
+        self._drift.observe(j, obs.k, log_t, weight, obs.b, aged)
         self._busy[j] += obs.busy_s
         self._ran_at[j][obs.k] = sum(self._busy)
         if obs.k > 0:
@@ -412,9 +419,14 @@ class ModelPolicy(LearningPolicy):
                     resid += t.resid
                     dof += t.n - 1.0
         jitter = max(p.timing_sd, math.sqrt(resid / dof) if dof >= 2 else 0.0)
+        # A cell's stints each carry the drift between visits (policies._drift), however
+        # many steps they held: a cell measured in one stint knows no better than that.
+        drift = self._drift_var = self._drift.variance(jitter * jitter)
         cells = [
             Cell(bucket=j, arm=self._cost_k[k], b=t.mean_b, log_t=t.mean,
-                 sd=t.mean_sd(jitter, p.prior_obs), weight=t.w)
+                 sd=math.sqrt(t.mean_sd(jitter, p.prior_obs) ** 2
+                              + drift / self._drift.stints(j, k)),
+                 weight=t.w)
             for j, per_arm in enumerate(self._time) for k, t in per_arm.items() if t.seen
         ]
         rep = [self._rep_b(j) for j in range(len(self.buckets))]
@@ -520,8 +532,9 @@ class ModelPolicy(LearningPolicy):
                 # does: a bucket back after minutes away measured it under another workload.
                 mean, sd = float(pred[ai, 0]), float(pred[ai, 1])
                 age = now - self._ran_at[j][arm]
-                sd_own = self._mean_sd(own) * math.exp(min(age / (2 * p.acceptance_memory_s),
-                                                           50.0))  # ~0 weight past that
+                sd_own = math.sqrt(self._mean_sd(own) ** 2
+                                   + self._drift_var / self._drift.stints(j, arm))
+                sd_own *= math.exp(min(age / (2 * p.acceptance_memory_s), 50.0))  # ~0 past
                 w = sd * sd / (sd * sd + sd_own * sd_own)
                 draw = mean + w * (own.mean - mean) + math.sqrt(1 - w) * (draw - mean)
             if draw > best_draw:
