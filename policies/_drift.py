@@ -29,17 +29,17 @@ _MEMORY_PAIRS = 20.0
 # Two stints are compared only at mean batch sizes within this relative distance: a bucket
 # spans a range of batch sizes, and their step times differ by more than any drift.
 _B_TOLERANCE = 0.05
-# The estimate counts once this many pairs stand behind it, and only once it is this many
-# standard errors above zero.
+# The estimate counts once this many pairs stand behind it (and only once it is ``z``
+# standard errors above zero).
 _MIN_PAIRS = 4.0
-_Z = 2.0
 
 
 class StintDrift:
     """Between-stint variance of log step time, pooled over every cell (see the module doc)."""
 
-    def __init__(self, buckets: int, arms: Sequence[int]) -> None:
+    def __init__(self, buckets: int, arms: Sequence[int], *, z: float = 2.0) -> None:
         self._arms = tuple(arms)
+        self._z = z
         # per bucket: the open stint (arm, weight, weighted sums of log step time and of b)
         self._open: list[list[float] | None] = [None] * buckets
         # per bucket, per arm: the last closed stint (mean log t, weight, mean b)
@@ -94,4 +94,4 @@ class StintDrift:
         second = (d4 - 2 * step_var * d2h + step_var * step_var * h2) / n
         se = math.sqrt(max(second - mean * mean, 0.0) / n)
         # Each of the two stints carries its own drift: the pair's difference holds two.
-        return mean / 2 if mean > _Z * se else 0.0
+        return mean / 2 if mean > self._z * se else 0.0

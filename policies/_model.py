@@ -92,6 +92,9 @@ DEFAULT_YOUNG_STEPS = 500
 DEFAULT_YOUNG_S = 10.0
 # z-score at which the short acceptance memory overrules the long one (a workload shift).
 DEFAULT_SHIFT_Z = 3.0
+# Standard errors above zero the step-time drift between an arm's stints needs before it
+# counts (policies._drift): where steps are independent it stays unused.
+DEFAULT_STINT_DRIFT_Z = 2.0
 # Shift detector: the short acceptance memory (decode steps) and the evidence it needs.
 _FAST_GAMMA = 1.0 - 1.0 / 400.0
 _FAST_MIN_REQUEST_STEPS = 2_000.0
@@ -118,6 +121,8 @@ class ModelParams(LearnerParams):
         young_steps: see ``optimism``.
         young_s: ... and for its first ``young_s`` busy seconds (whichever ends first).
         shift_z: z-score at which recent acceptance overrules the long memory (a shift).
+        stint_drift_z: z-score at which the step-time drift measured between an arm's
+            stints counts in its cells' errors (inf = never; ``policies._drift``).
     """
 
     acceptance_memory_request_steps: float = DEFAULT_ACCEPTANCE_MEMORY_REQUEST_STEPS
@@ -132,6 +137,7 @@ class ModelParams(LearnerParams):
     young_steps: int = DEFAULT_YOUNG_STEPS
     young_s: float = DEFAULT_YOUNG_S
     shift_z: float = DEFAULT_SHIFT_Z
+    stint_drift_z: float = DEFAULT_STINT_DRIFT_Z
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -155,6 +161,8 @@ class ModelParams(LearnerParams):
                  self.young_s)
         _require(0 < self.shift_z <= math.inf, "shift_z", "positive (inf = never)",
                  self.shift_z)
+        _require(0 < self.stint_drift_z <= math.inf, "stint_drift_z",
+                 "positive (inf = never)", self.stint_drift_z)
 
 
 class ModelPolicy(LearningPolicy):
@@ -199,7 +207,7 @@ class ModelPolicy(LearningPolicy):
         self._bands: BandBook | None = None  # acceptance per band, once set_bands is called
         # How far step times move between an arm's stints (0 unless the data say so), and
         # its estimate as of the last step-time posterior.
-        self._drift = StintDrift(len(self.buckets), self.arms)
+        self._drift = StintDrift(len(self.buckets), self.arms, z=self.params.stint_drift_z)
         self._drift_var = 0.0
         self._band_busy = 0.0  # drafting busy seconds not yet aged into the band book
 

@@ -10,6 +10,7 @@ import pytest
 
 from tuner.errors import ConfigError
 from tuner.plugin.core import PluginCore
+from tuner.sim._step_cost import MachineDrift
 from tuner.sim.acceptance import AcceptanceShape, beta_nodes, shape_emitted_mean
 from tuner.sim.engine import Engine
 from tuner.sim.load import ClosedLoop
@@ -100,11 +101,12 @@ def test_overhead_adds_to_every_step_and_prefill():
     assert more.profile().prefill_s(500) - base.profile().prefill_s(500) == pytest.approx(0.0025)
 
 
-def _step_times(noise: float, steps: int = 4000) -> tuple[np.ndarray, Engine]:
+def _step_times(noise: float, steps: int = 4000,
+                machine_drift: MachineDrift | None = None) -> tuple[np.ndarray, Engine]:
     world = _world(noise=noise, max_running=8)
     core = PluginCore(ARMS, started_at=0.0, default_arm=3)
     eng = Engine(profile=world.profile(), workload=world.workload(1e6), core=core, seed=5,
-                 step_noise=noise)
+                 step_noise=noise, machine_drift=machine_drift)
     for _ in range(8):
         eng.submit(output_tokens=10**7)
     eng.run_until(eng.now + 1e-9)  # the prefill
@@ -127,6 +129,26 @@ def test_engine_noise_is_mean_one_and_leaves_acceptance_draws_alone():
     assert en.counters.decode_tokens == eq.counters.decode_tokens
     with pytest.raises(ValueError, match="step_noise"):
         Engine(profile=_world().profile(), workload="chat", step_noise=-0.1)
+
+
+def test_machine_drift_wanders_slowly_alike_for_every_step_and_leaves_draws_alone():
+    quiet, eq = _step_times(0.0)
+    expected = _world(max_running=8).profile().step_s(8, 3)
+    t_s = 4000 * expected
+    drifting, ed = _step_times(0.0, machine_drift=MachineDrift(0.2, t_s / 40))
+    log_t = np.log(drifting / expected)
+    # Neighbouring steps share the machine's speed; over 40 correlation times its spread is
+    # the stationary one.
+    assert np.corrcoef(log_t[:-1], log_t[1:])[0, 1] > 0.95
+    assert 0.13 < log_t.std() < 0.27, log_t.std()
+    assert ed.counters.decode_tokens == eq.counters.decode_tokens
+    # A zero spread is a steady machine, step for step.
+    steady, _ = _step_times(0.0, machine_drift=MachineDrift(0.0, 30.0))
+    assert np.array_equal(steady, quiet)
+    assert MachineDrift.parse("0.2:45") == MachineDrift(0.2, 45.0)
+    for bad in ("fast", "0.2:x", "-0.1:30", "0.2:0"):
+        with pytest.raises(ValueError, match="machine drift"):
+            MachineDrift.parse(bad)
 
 
 def test_beta_quadrature_gives_exact_moments_even_where_the_density_is_singular():

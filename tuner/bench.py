@@ -74,6 +74,7 @@ from tuner.protocol import (
     is_uniform,
     lookup,
 )
+from tuner.sim._step_cost import MachineDrift
 from tuner.sim.engine import Engine
 from tuner.sim.load import ClosedLoop, parse_load
 from tuner.sim.oracle import expected_goodput
@@ -356,13 +357,15 @@ def run_one(
     skip_zero_draft_extend: bool = False,
     world: World | None = None,
     tree: TreeShape | None = None,
+    machine_drift: MachineDrift | None = None,
 ) -> RunResult:
     """Run one policy through one scenario; see the module docstring for the scoring.
 
     With ``world``, the world's cost profile, traffic and step-time noise replace
     ``profile`` and ``workload`` (which then only label the run). With ``tree``, the server
     drafts that tree at its arm ``tree.steps`` (arms 0 and the tree), in the engine and the
-    scoring alike.
+    scoring alike. With ``machine_drift`` the engine's steps run on a machine whose speed
+    wanders (every arm alike, so the scoring, by expectation, is unchanged).
     """
     wall0 = time.perf_counter()
     phases = _load_phases(load, duration_s, seed)
@@ -393,7 +396,8 @@ def run_one(
     engine = Engine(profile=prof, workload=wl, core=core, max_running=cap, seed=seed,
                     load=parse_load(load, seed=seed),
                     skip_zero_draft_extend=skip_zero_draft_extend,
-                    step_noise=world.noise if world is not None else 0.0)
+                    step_noise=world.noise if world is not None else 0.0,
+                    machine_drift=machine_drift)
 
     mixes = list(wl.phases)
     gcache: dict[tuple[int, int, int], float] = {}

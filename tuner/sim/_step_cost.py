@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -11,7 +12,34 @@ from tuner.sim.graphs import pad_batch_size
 from tuner.sim.profiles import CostProfile
 from tuner.sim.tree import TreeArm
 
-__all__ = ["StepCosts"]
+__all__ = ["MachineDrift", "StepCosts"]
+
+
+@dataclass(frozen=True, slots=True)
+class MachineDrift:
+    """A machine whose speed wanders over minutes (a loaded CPU server, other tenants): every
+    decode step's time is multiplied by ``exp(x - sd²/2)``, ``x`` an Ornstein-Uhlenbeck
+    process in the engine's busy seconds, stationary spread ``sd`` (log), correlation time
+    ``tau_s``. Arms run at different times then meet different machines, as on a real one.
+    """
+
+    sd: float
+    tau_s: float
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.sd) and 0.0 <= self.sd <= 1.0):
+            raise ValueError(f"machine drift sd must be in [0, 1], got {self.sd}")
+        if not (math.isfinite(self.tau_s) and self.tau_s > 0):
+            raise ValueError(f"machine drift time must be positive, got {self.tau_s}")
+
+    @classmethod
+    def parse(cls, text: str) -> MachineDrift:
+        """``"SD:TAU_S"``, e.g. ``"0.2:60"``: 20 % spread, correlated over a minute."""
+        sd, sep, tau = text.partition(":")
+        try:
+            return cls(float(sd), float(tau) if sep else 60.0)
+        except ValueError as exc:
+            raise ValueError(f"machine drift {text!r}: expected SD:SECONDS ({exc})") from None
 
 
 class StepCosts:
@@ -36,6 +64,8 @@ class StepCosts:
         tree: TreeArm | None,
         step_noise: float,
         noise_rng: np.random.Generator,
+        machine_drift: MachineDrift | None = None,
+        drift_rng: np.random.Generator | None = None,
     ) -> None:
         self.graph_bs = graph_bs
         self.graph_max = graph_bs[-1] if graph_bs else 0
@@ -53,6 +83,9 @@ class StepCosts:
                 self._cost[(pb, tree.steps)] = tree.step_s(profile, pb)
         self.step_noise = step_noise
         self._noise_rng = noise_rng
+        self.machine_drift = machine_drift
+        self._drift_rng = drift_rng if drift_rng is not None else np.random.default_rng(0)
+        self._drift_x = 0.0  # the machine's log speed now (its stationary mean is 0)
 
     def padded(self, b: int) -> int:
         """The CUDA-graph batch size a decode of ``b`` requests runs at."""
@@ -72,4 +105,11 @@ class StepCosts:
         if self.step_noise:
             z = self._noise_rng.standard_normal()
             dt *= math.exp(self.step_noise * z - self.step_noise**2 / 2)
+        md = self.machine_drift
+        if md is not None and md.sd:
+            dt *= math.exp(self._drift_x - md.sd**2 / 2)
+            keep = math.exp(-dt / md.tau_s)
+            self._drift_x = (keep * self._drift_x
+                             + md.sd * math.sqrt(1.0 - keep * keep)
+                             * self._drift_rng.standard_normal())
         return dt

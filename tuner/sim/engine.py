@@ -20,7 +20,10 @@ What one iteration does, as SGLang 0.5.23's scheduler does it:
   costs and accepts as :mod:`tuner.sim.tree` models it.
 - **Step-time noise.** With ``step_noise`` σ > 0 each decode step's time is multiplied by a
   mean-one lognormal factor ``exp(σ·Z − σ²/2)`` (its own random stream), so expectations —
-  and the oracle — are unchanged while the telemetry is noisy.
+  and the oracle — are unchanged while the telemetry is noisy. With ``machine_drift`` the
+  factor also carries the machine's speed, which wanders over minutes of busy time
+  (correlated from step to step, alike for every arm): arms measured at different times meet
+  different machines, as on a loaded CPU server.
 - **k = 0.** By default SGLang still runs the draft extend (a cost, acceptance unharmed).
   With ``skip_zero_draft_extend`` (``SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1``) the extend is
   skipped and every request that decoded at ``k = 0`` drafts from stale state afterwards: its
@@ -54,7 +57,7 @@ from tuner.plugin.core import PluginCore
 from tuner.sim._counters import EngineCounters
 from tuner.sim._requests import Request, RequestLog, RequestStats
 from tuner.sim._running import RunningRows
-from tuner.sim._step_cost import StepCosts
+from tuner.sim._step_cost import MachineDrift, StepCosts
 from tuner.sim._step_oracle import StepOracle
 from tuner.sim.graphs import cuda_graph_bs
 from tuner.sim.load import Load, NoLoad
@@ -107,6 +110,8 @@ class Engine:
         started_at: the core's wall-clock start stamp (default: now).
         decode_log_interval: decode steps between gauge refreshes.
         step_noise: σ of the mean-one lognormal factor on each decode step's time (0: none).
+        machine_drift: the machine's speed wandering over busy seconds (None: steady); see
+            :class:`~tuner.sim._step_cost.MachineDrift`.
 
     Raises:
         ProfileRangeError: the profile cannot cost a batch the engine may run.
@@ -132,6 +137,7 @@ class Engine:
         started_at: float | None = None,
         decode_log_interval: int = DEFAULT_DECODE_LOG_INTERVAL,
         step_noise: float = 0.0,
+        machine_drift: MachineDrift | None = None,
     ) -> None:
         self.profile = load_profile(profile) if isinstance(profile, str) else profile
         self.workload = get_workload(workload) if isinstance(workload, str) else workload
@@ -165,8 +171,9 @@ class Engine:
         tree = TreeArm(core.tree) if core.tree is not None else None
 
         ss = np.random.SeedSequence(seed)
-        # A third stream for noise: the first two stay what they were without it.
-        req_ss, acc_ss, noise_ss = ss.spawn(3)
+        # A third stream for noise, a fourth for the machine's drift: the first ones stay
+        # what they were without them.
+        req_ss, acc_ss, noise_ss, drift_ss = ss.spawn(4)
         self._req_rng = np.random.default_rng(req_ss)
         self.step_noise = float(step_noise)
         self._costs = StepCosts(
@@ -178,6 +185,8 @@ class Engine:
             tree=tree,
             step_noise=self.step_noise,
             noise_rng=np.random.default_rng(noise_ss),
+            machine_drift=machine_drift,
+            drift_rng=np.random.default_rng(drift_ss),
         )
         self._pad = self._costs.pad
         kmax = max(max(self.arms), 1)
