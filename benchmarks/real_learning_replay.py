@@ -62,16 +62,13 @@ def main() -> None:
     print(f"{a.db}: per-position acceptance {alpha:.3f} ± {alpha_sd:.3f}; greedy "
           f"{policy.greedy()}")
     t, em, _ = policy._components()
-    print(f"step-time drift between stints: log sd {policy._drift_var ** 0.5:.3f}"
-          " (0 where the steps' jitter explains it)")
     estimates = {(e.bucket, e.arm): e for e in policy._estimates()}
     greedy = policy.greedy_arms()
     for j in range(len(policy.buckets.edges) + 1):
         if not policy._state[j].steps:
             continue
         draws = Counter(policy._sample(j, greedy[j]) for _ in range(a.draws))
-        print(f"bucket {policy.buckets.label(j)}: greedy k{greedy[j]}; stints "
-              + ", ".join(f"k{k} {policy._drift.stints(j, k):.1f}" for k in arms))
+        print(f"bucket {policy.buckets.label(j)}: greedy k{greedy[j]}")
         for ai, k in enumerate(arms):
             e = estimates[(j, k)]
             print(f"  k{k}: {e.estimate:7.1f} ± {e.std:5.1f} tok/s (n {e.n:5d}); step "

@@ -37,7 +37,6 @@ import numpy as np
 from policies._acceptance import ALPHAS, chain_accepted, fit_chain
 from policies._banded import BandBook, BandObservation, BandTable, band_table
 from policies._base import ArmEstimate, Observation
-from policies._drift import StintDrift
 from policies._learning import LearnerParams, LearningPolicy, _require
 from policies._stats import ArmStats, forgetting
 from policies._steptime import (
@@ -92,9 +91,6 @@ DEFAULT_YOUNG_STEPS = 500
 DEFAULT_YOUNG_S = 10.0
 # z-score at which the short acceptance memory overrules the long one (a workload shift).
 DEFAULT_SHIFT_Z = 3.0
-# Standard errors above zero the step-time drift between an arm's stints needs before it
-# counts (policies._drift): where steps are independent it stays unused.
-DEFAULT_STINT_DRIFT_Z = 2.0
 # Shift detector: the short acceptance memory (decode steps) and the evidence it needs.
 _FAST_GAMMA = 1.0 - 1.0 / 400.0
 _FAST_MIN_REQUEST_STEPS = 2_000.0
@@ -121,8 +117,6 @@ class ModelParams(LearnerParams):
         young_steps: see ``optimism``.
         young_s: ... and for its first ``young_s`` busy seconds (whichever ends first).
         shift_z: z-score at which recent acceptance overrules the long memory (a shift).
-        stint_drift_z: z-score at which the step-time drift measured between an arm's
-            stints counts in its cells' errors (inf = never; ``policies._drift``).
     """
 
     acceptance_memory_request_steps: float = DEFAULT_ACCEPTANCE_MEMORY_REQUEST_STEPS
@@ -137,7 +131,6 @@ class ModelParams(LearnerParams):
     young_steps: int = DEFAULT_YOUNG_STEPS
     young_s: float = DEFAULT_YOUNG_S
     shift_z: float = DEFAULT_SHIFT_Z
-    stint_drift_z: float = DEFAULT_STINT_DRIFT_Z
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -161,8 +154,6 @@ class ModelParams(LearnerParams):
                  self.young_s)
         _require(0 < self.shift_z <= math.inf, "shift_z", "positive (inf = never)",
                  self.shift_z)
-        _require(0 < self.stint_drift_z <= math.inf, "stint_drift_z",
-                 "positive (inf = never)", self.stint_drift_z)
 
 
 class ModelPolicy(LearningPolicy):
@@ -205,10 +196,6 @@ class ModelPolicy(LearningPolicy):
         # k = 0 was never tried there.
         self._cost_k = {k: k for k in self.arms}
         self._bands: BandBook | None = None  # acceptance per band, once set_bands is called
-        # How far step times move between an arm's stints (0 unless the data say so), and
-        # its estimate as of the last step-time posterior.
-        self._drift = StintDrift(len(self.buckets), self.arms, z=self.params.stint_drift_z)
-        self._drift_var = 0.0
         self._band_busy = 0.0  # drafting busy seconds not yet aged into the band book
 
     def set_verify_tokens(self, tokens: Mapping[int, int]) -> None:
@@ -285,9 +272,7 @@ class ModelPolicy(LearningPolicy):
         aged = forgetting(factor, obs.busy_s, self.params.step_time_memory_s)
         for t in self._time[j].values():
             t.decay(aged)
-        log_t = math.log(obs.busy_s / s)
-        self._time[j][obs.k].add(log_t, weight, weight / s, obs.b, s)
-        self._drift.observe(j, obs.k, log_t, weight, obs.b, aged)
+        self._time[j][obs.k].add(math.log(obs.busy_s / s), weight, weight / s, obs.b, s)
         self._busy[j] += obs.busy_s
         self._ran_at[j][obs.k] = sum(self._busy)
         if obs.k > 0:
@@ -427,14 +412,9 @@ class ModelPolicy(LearningPolicy):
                     resid += t.resid
                     dof += t.n - 1.0
         jitter = max(p.timing_sd, math.sqrt(resid / dof) if dof >= 2 else 0.0)
-        # A cell's stints each carry the drift between visits (policies._drift), however
-        # many steps they held: a cell measured in one stint knows no better than that.
-        drift = self._drift_var = self._drift.variance(jitter * jitter)
         cells = [
             Cell(bucket=j, arm=self._cost_k[k], b=t.mean_b, log_t=t.mean,
-                 sd=math.sqrt(t.mean_sd(jitter, p.prior_obs) ** 2
-                              + drift / self._drift.stints(j, k)),
-                 weight=t.w)
+                 sd=t.mean_sd(jitter, p.prior_obs), weight=t.w)
             for j, per_arm in enumerate(self._time) for k, t in per_arm.items() if t.seen
         ]
         rep = [self._rep_b(j) for j in range(len(self.buckets))]
@@ -540,9 +520,8 @@ class ModelPolicy(LearningPolicy):
                 # does: a bucket back after minutes away measured it under another workload.
                 mean, sd = float(pred[ai, 0]), float(pred[ai, 1])
                 age = now - self._ran_at[j][arm]
-                sd_own = math.sqrt(self._mean_sd(own) ** 2
-                                   + self._drift_var / self._drift.stints(j, arm))
-                sd_own *= math.exp(min(age / (2 * p.acceptance_memory_s), 50.0))  # ~0 past
+                sd_own = self._mean_sd(own) * math.exp(min(age / (2 * p.acceptance_memory_s),
+                                                           50.0))  # ~0 weight past that
                 w = sd * sd / (sd * sd + sd_own * sd_own)
                 draw = mean + w * (own.mean - mean) + math.sqrt(1 - w) * (draw - mean)
             if draw > best_draw:
