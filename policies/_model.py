@@ -38,6 +38,7 @@ from policies._acceptance import ALPHAS, chain_accepted, fit_chain
 from policies._banded import BandBook, BandObservation, BandTable, band_table
 from policies._base import ArmEstimate, Observation
 from policies._learning import LearnerParams, LearningPolicy, _require
+from policies._machine import MachineSpeed
 from policies._stats import ArmStats, forgetting
 from policies._steptime import (
     DEFAULT_ZERO_ARM_SD,
@@ -91,6 +92,9 @@ DEFAULT_YOUNG_STEPS = 500
 DEFAULT_YOUNG_S = 10.0
 # z-score at which the short acceptance memory overrules the long one (a workload shift).
 DEFAULT_SHIFT_Z = 3.0
+# Busy seconds over which the machine's speed is averaged (policies._machine): a loaded
+# server's steps slow and speed up together for every arm over seconds to minutes.
+DEFAULT_MACHINE_MEMORY_S = 5.0
 # Shift detector: the short acceptance memory (decode steps) and the evidence it needs.
 _FAST_GAMMA = 1.0 - 1.0 / 400.0
 _FAST_MIN_REQUEST_STEPS = 2_000.0
@@ -117,6 +121,9 @@ class ModelParams(LearnerParams):
         young_steps: see ``optimism``.
         young_s: ... and for its first ``young_s`` busy seconds (whichever ends first).
         shift_z: z-score at which recent acceptance overrules the long memory (a shift).
+        machine_memory_s: busy seconds over which the machine's speed, shared by every arm,
+            is averaged and taken out of each reading's step time (0 = taken as steady;
+            ``policies._machine``).
     """
 
     acceptance_memory_request_steps: float = DEFAULT_ACCEPTANCE_MEMORY_REQUEST_STEPS
@@ -131,6 +138,7 @@ class ModelParams(LearnerParams):
     young_steps: int = DEFAULT_YOUNG_STEPS
     young_s: float = DEFAULT_YOUNG_S
     shift_z: float = DEFAULT_SHIFT_Z
+    machine_memory_s: float = DEFAULT_MACHINE_MEMORY_S
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -154,6 +162,8 @@ class ModelParams(LearnerParams):
                  self.young_s)
         _require(0 < self.shift_z <= math.inf, "shift_z", "positive (inf = never)",
                  self.shift_z)
+        _require(0 <= self.machine_memory_s < math.inf, "machine_memory_s",
+                 ">= 0 and finite (0 = steady)", self.machine_memory_s)
 
 
 class ModelPolicy(LearningPolicy):
@@ -197,6 +207,15 @@ class ModelPolicy(LearningPolicy):
         self._cost_k = {k: k for k in self.arms}
         self._bands: BandBook | None = None  # acceptance per band, once set_bands is called
         self._band_busy = 0.0  # drafting busy seconds not yet aged into the band book
+        # The machine's speed, taken out of every reading before anything learns from it.
+        self._machine = (MachineSpeed(p.machine_memory_s, p.step_time_memory_s)
+                         if p.machine_memory_s > 0 else None)
+
+    def update(self, obs: Observation) -> bool:
+        """Feed one observation, its step time taken as on the machine's average speed."""
+        if self._machine is not None and obs.problem() is None and obs.k in self.arms:
+            obs = self._machine.correct(obs)
+        return super().update(obs)
 
     def set_verify_tokens(self, tokens: Mapping[int, int]) -> None:
         super().set_verify_tokens(tokens)
