@@ -62,6 +62,11 @@ def main() -> None:
     print(f"{a.db}: per-position acceptance {alpha:.3f} ± {alpha_sd:.3f}; greedy "
           f"{policy.greedy()}")
     t, em, _ = policy._components()
+    if policy._machine is not None:
+        drift = policy._machine.drift_var()
+        print(f"machine: drift between 5-s windows log sd {drift ** 0.5:.3f} "
+              f"({'offset applied' if drift else 'taken as steady'}); offset now "
+              f"{policy._machine.offset:+.3f}")
     estimates = {(e.bucket, e.arm): e for e in policy._estimates()}
     greedy = policy.greedy_arms()
     for j in range(len(policy.buckets.edges) + 1):

@@ -9,12 +9,15 @@ the arm with the unlucky minute is not tried again.
 :class:`MachineSpeed` estimates the machine's log speed offset from the readings themselves:
 each ``(b, k)`` keeps a long-memory mean of its (corrected) log step time, and a reading's
 residual against its key's mean, weighted by the busy seconds it covers and by how well its
-key is known, goes into a short-memory average, the offset. Each reading leaves with the
-offset taken out, so cells, rewards and guardrails downstream compare arms as if timed on
-the same machine. A weak prior holds the offset at zero where readings say little; where
-step times do not drift, residuals are the steps' own jitter and the offset stays within a
-fraction of a percent (exactly zero where equal keys read equal, as on the simulator's
-noise-free tables).
+key is known, goes into a short-memory average, the offset. Only relative speed is known
+(a machine slow for all of its history looks like slow arms): what it buys is that arms
+timed at different moments are compared as if timed at the same one.
+
+The offset is applied only where the machine is seen to drift: per ``(b, k)``, readings'
+spread within windows of busy time against the difference between windows (a
+random-effects analysis of variance, pooled over every key) must show a variance a window
+adds, clearly above zero. Where step times do not drift (a GPU server, the simulator, whose
+noise is independent per step) readings pass unchanged, so the policy is what it was.
 """
 
 from __future__ import annotations
