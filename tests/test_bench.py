@@ -98,6 +98,24 @@ def test_cli_bench_prints_tables_and_writes_json(tmp_path, capsys):
     assert not math.isnan(data["wall_s"])
 
 
+def test_cli_bench_runs_on_a_drifting_machine_and_refuses_a_bad_drift(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--profiles", "h100-llama8b", "--workloads", "chat", "--load", "10:1,10:4",
+            "--policies", "model", "--warmup", "2", "--jobs", "1", "--json", str(out)]
+    assert main(argv) == 0
+    steady = json.loads(out.read_text())
+    assert main([*argv, "--machine-drift", "0.3:5"]) == 0
+    drifting = json.loads(out.read_text())
+    assert drifting["config"]["machine_drift"] == {"sd": 0.3, "tau_s": 5.0}
+    assert steady["config"]["machine_drift"] is None
+    # The machine's speed moves the policy's readings, so its run is not the steady one.
+    assert steady["runs"][0]["phases"] != drifting["runs"][0]["phases"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["bench", "--machine-drift", "fast"])
+    assert "machine drift 'fast'" in capsys.readouterr().err
+
+
 def test_cli_bench_bad_policy_exits_2(capsys):
     assert main(["bench", "--policies", "thompson:memory_steps=0"]) == 2
     assert "memory_steps" in capsys.readouterr().err

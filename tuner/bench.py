@@ -634,6 +634,7 @@ def _run_kwargs(config: BenchConfig) -> dict[str, Any]:
         decision_period_s=config.decision_period_s, warmup_s=config.warmup_s,
         duration_s=config.duration_s, max_running=config.max_running,
         skip_zero_draft_extend=config.skip_zero_draft_extend, tree=config.tree,
+        machine_drift=config.machine_drift,
     )
 
 

@@ -14,6 +14,7 @@ from policies import BasePolicy, make_policy
 from tuner.config import _positive  # seconds: the run config's own check
 from tuner.errors import ConfigError
 from tuner.protocol import TreeShape
+from tuner.sim._step_cost import MachineDrift
 from tuner.sim.load import parse_load
 from tuner.sim.oracle import workload_emitted
 from tuner.sim.profiles import CostProfile
@@ -123,6 +124,8 @@ class BenchConfig:
         duration_s: run length for open-loop loads (closed loops run their schedule once).
         max_running: the running-request cap; default the profile's, else the schedule's peak.
         skip_zero_draft_extend: SGLang's ``SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1``.
+        machine_drift: the simulated machine's speed wanders (every arm alike; the scoring,
+            by expectation, is unchanged): what a drifting server costs the policies.
         tree: a tree server (top-k > 1): ``arms`` must be ``(0, tree.steps)``, the arm
             ``steps`` runs the tree (:mod:`tuner.sim.tree`) and the oracle picks between the
             two; the policies of :data:`TREE_SKIPS` are skipped, and ``threshold`` switches
@@ -142,6 +145,7 @@ class BenchConfig:
     duration_s: float | None = None
     max_running: int | None = None
     skip_zero_draft_extend: bool = False
+    machine_drift: MachineDrift | None = None
     tree: TreeShape | None = None
     jobs: int | None = None
 

@@ -36,6 +36,7 @@ from tuner.bench import (
     sglang_available,
 )
 from tuner.errors import ConfigError
+from tuner.sim._step_cost import MachineDrift
 from tuner.sim.worlds import World, make_world
 
 __all__ = [
@@ -83,6 +84,7 @@ class WorldBenchConfig:
     arms: tuple[int, ...] = DEFAULT_ARMS
     warmup_s: float = DEFAULT_WARMUP_S
     skip_zero_draft_extend: bool = False
+    machine_drift: MachineDrift | None = None
     jobs: int | None = None
 
     def __post_init__(self) -> None:
@@ -233,7 +235,8 @@ def run_worlds(
     jobs = [
         dict(profile=w.name, workload="generated", load=config.load, policy=pol,
              seed=config.seed, arms=config.arms, warmup_s=config.warmup_s,
-             skip_zero_draft_extend=config.skip_zero_draft_extend, world=w)
+             skip_zero_draft_extend=config.skip_zero_draft_extend,
+             machine_drift=config.machine_drift, world=w)
         for w in worlds for pol in policies
     ]
     t0 = time.perf_counter()

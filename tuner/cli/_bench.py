@@ -41,6 +41,14 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         except ConfigError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
+    def machine_drift(text: str) -> Any:
+        from tuner.sim._step_cost import MachineDrift
+
+        try:
+            return MachineDrift.parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
     def world_range(text: str) -> tuple[int, ...]:
         try:
             return parse_world_range(text)
@@ -77,6 +85,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-running", type=int, default=None, metavar="N")
     p.add_argument("--skip-zero-draft-extend", action="store_true",
                    help="SGLang's SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1 (cold recovery)")
+    p.add_argument("--machine-drift", type=machine_drift, default=None, metavar="SD:SECONDS",
+                   help="the simulated machine's speed wanders: log spread SD, correlated "
+                   "over SECONDS of busy time (e.g. 0.2:30, a loaded CPU server); every arm "
+                   "alike")
     p.add_argument("--tree", type=tree_shape, default=None, metavar="KxSxN",
                    help="score a tree server (top-k K, S steps, N draft tokens, e.g. 4x2x16): "
                    "arms 0 and the tree, SGLang's own policies skipped")
@@ -116,6 +128,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         policies=args.policies or DEFAULT_BENCH_POLICIES, seed=args.seed, arms=arms,
         warmup_s=args.warmup, duration_s=args.duration, max_running=args.max_running,
         skip_zero_draft_extend=args.skip_zero_draft_extend, tree=args.tree, jobs=args.jobs,
+        machine_drift=args.machine_drift,
     )
     n = len(config.profiles) * len(config.workloads) * len(config.policies)
     err_console.print(f"bench: {n} runs on {config.jobs or 'all'} cores ...", markup=False)
@@ -208,6 +221,7 @@ def _cmd_bench_worlds(args: argparse.Namespace) -> int:
         policies=args.policies or DEFAULT_WORLD_POLICIES, seed=args.seed,
         arms=args.arms or DEFAULT_ARMS, warmup_s=args.warmup,
         skip_zero_draft_extend=args.skip_zero_draft_extend, jobs=args.jobs,
+        machine_drift=args.machine_drift,
     )
     n = len(config.worlds) * len(config.policies)
     err_console.print(f"bench: {n} runs on {len(config.worlds)} worlds, "
