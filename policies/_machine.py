@@ -66,6 +66,7 @@ class MachineSpeed:
         self._pairs = [0.0] * 6  # discounted count, d², h, d⁴, d²·h, h²
         self._within = [0.0, 0.0]  # discounted squared residuals, degrees of freedom
         self._drifting = False
+        self._drift_var = 0.0  # as of the last reading the gate judged
 
     def correct(self, obs: Observation) -> Observation:
         """``obs`` with the machine's offset taken out of its busy time (as read on the
@@ -93,7 +94,7 @@ class MachineSpeed:
             key[1] += busy * (corrected - key[1]) / (key[0] + busy)
             key[0] += busy
             key[2] = self._clock
-        if self.offset == 0.0 or self.drift_var() == 0.0:
+        if self.offset == 0.0 or self._judge_drift() == 0.0:
             return obs
         return replace(obs, busy_s=busy * math.exp(-self.offset))
 
@@ -119,10 +120,16 @@ class MachineSpeed:
 
     def drift_var(self) -> float:
         """The variance a window of busy time adds to a reading beyond the readings' own
-        spread within windows; 0 unless clearly positive (then the offset is applied)."""
+        spread within windows, as last judged; 0 unless clearly positive (then the offset is
+        applied)."""
+        return self._drift_var
+
+    def _judge_drift(self) -> float:
+        """:meth:`drift_var` judged anew from the window pairs (the gate moves here only)."""
         n, d2, h, d4, d2h, h2 = self._pairs
         ss, dof = self._within
         if n < _MIN_PAIRS or dof < _MIN_PAIRS:
+            self._drift_var = 0.0
             return 0.0
         v = ss / dof
         mean = (d2 - v * h) / n
@@ -130,4 +137,5 @@ class MachineSpeed:
         se = math.sqrt(max(second - mean * mean, 0.0) / n)
         self._drifting = mean > (_Z_OFF if self._drifting else _Z_ON) * se
         # Each of the two windows carries its own drift: the pair's difference holds two.
-        return mean / 2 if self._drifting else 0.0
+        self._drift_var = mean / 2 if self._drifting else 0.0
+        return self._drift_var
