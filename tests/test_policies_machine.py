@@ -78,3 +78,13 @@ def test_equal_readings_of_a_noise_free_server_are_left_alone():
         o = _obs(k, T[k])
         assert speed.correct(o) is o
     assert speed.offset == 0.0
+
+
+def test_the_model_policy_takes_the_machine_as_steady_when_told_and_refuses_a_bad_memory():
+    from policies import make_policy
+
+    assert make_policy("model", arms=(0, 1, 3))._machine is not None
+    assert make_policy("model", arms=(0, 1, 3), machine_memory_s=0)._machine is None
+    for bad in (-1.0, math.inf):
+        with pytest.raises(ValueError, match="machine_memory_s"):
+            make_policy("model", arms=(0, 1, 3), machine_memory_s=bad)
