@@ -65,8 +65,7 @@ class MachineSpeed:
         self._last: dict[tuple[int, int], tuple[float, float]] = {}  # mean, readings
         self._pairs = [0.0] * 6  # discounted count, d², h, d⁴, d²·h, h²
         self._within = [0.0, 0.0]  # discounted squared residuals, degrees of freedom
-        self._drifting = False
-        self._drift_var = 0.0  # as of the last reading the gate judged
+        self._drift_var = 0.0  # as of the last reading the gate judged (0: shut)
 
     def correct(self, obs: Observation) -> Observation:
         """``obs`` with the machine's offset taken out of its busy time (as read on the
@@ -135,7 +134,7 @@ class MachineSpeed:
         mean = (d2 - v * h) / n
         second = (d4 - 2 * v * d2h + v * v * h2) / n
         se = math.sqrt(max(second - mean * mean, 0.0) / n)
-        self._drifting = mean > (_Z_OFF if self._drifting else _Z_ON) * se
+        drifting = mean > (_Z_OFF if self._drift_var > 0 else _Z_ON) * se
         # Each of the two windows carries its own drift: the pair's difference holds two.
-        self._drift_var = mean / 2 if self._drifting else 0.0
+        self._drift_var = mean / 2 if drifting else 0.0
         return self._drift_var

@@ -27,8 +27,8 @@ Generated worlds (:mod:`tuner.sim.worlds`) run through :func:`run_one`'s ``world
 :mod:`tuner.bench_worlds` runs a range of them.
 
 The module is split along its seams — :mod:`tuner.bench_config` (defaults, policy specs,
-:class:`BenchConfig`) and :mod:`tuner.bench_targets` (the targets) — and re-exports their
-public names.
+:class:`BenchConfig`), :mod:`tuner.bench_results` (the result records) and
+:mod:`tuner.bench_targets` (the targets) — and re-exports their public names.
 
 Every run of a bench uses the same seed, so all policies see the same requests. Runs are
 independent and spread over ``jobs`` processes; the results do not depend on ``jobs``.
@@ -42,10 +42,10 @@ import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
-from policies import DEFAULT_POLICY, BasePolicy, Buckets, Observation, split_probes
+from policies import BasePolicy, Buckets, Observation, split_probes
 from tuner.bench_config import (
     DEFAULT_ARMS,
     DEFAULT_BENCH_DECISION_PERIOD_S,
@@ -62,6 +62,7 @@ from tuner.bench_config import (
     build_policy,
     parse_policy_spec,
 )
+from tuner.bench_results import BenchResult, BucketConvergence, PhaseResult, RunResult
 from tuner.bench_targets import TARGETS, TargetCheck, check_targets, summarize_policies
 from tuner.plugin.core import PluginCore
 from tuner.bench_step import BandFeed, StepScore, greedy_arms, single_arm_view
@@ -114,117 +115,6 @@ log = logging.getLogger(__name__)
 # best arms are within 3 % of each other, either of them (issue 13: a near tie is not a miss).
 CONVERGE_TOLERANCE = 0.02
 CONVERGE_TIE = 0.03
-
-
-# --- results ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class BucketConvergence:
-    """How long a bucket took until its greedy arm stayed within 2 % of the oracle (or, when
-    its two best arms are within 3 % of each other, was one of them).
-
-    ``traffic_s`` counts interval ticks in which the bucket ran decode steps; ``steps`` its
-    decode steps. Both are the worst over the bucket's converged episodes (a new episode
-    starts when the workload's mix changes). ``unconverged_s`` is the most traffic an episode
-    had while ending unconverged (0 when every episode converged): a bucket that saw a few
-    seconds of a load ramp has not failed to converge, one that saw a minute has.
-    """
-
-    bucket: str
-    traffic_s: float
-    steps: int
-    unconverged_s: float
-    episodes: int
-
-
-@dataclass(frozen=True)
-class PhaseResult:
-    """One load phase of one run. Percentages are of the per-bucket oracle (in [0, 100] but
-    for banded tables, which may beat it) and ``pct_step_oracle*`` of the per-step oracle;
-    the per-step oracle's headroom over the per-bucket one is :attr:`step_headroom`."""
-
-    index: int
-    start_s: float
-    end_s: float
-    concurrency: int | None
-    pct_oracle: float  # after warm-up (NaN when no decode time was measured there)
-    pct_oracle_all: float  # including warm-up
-    goodput: float  # expected tokens per decode-busy second, whole phase
-    goodput_after: float  # ... after warm-up
-    oracle_goodput: float
-    measured_goodput: float  # realised emitted tokens per busy second
-    decode_busy_s: float
-    explore_tokens_lost: float
-    switches: int
-    tpot_p50_ms: float
-    tpot_p99_ms: float
-    pct_step_oracle: float = math.nan  # after warm-up
-    pct_step_oracle_all: float = math.nan  # including warm-up
-    step_oracle_goodput: float = math.nan  # whole phase
-
-    @property
-    def step_headroom(self) -> float:
-        """The per-step oracle's goodput over the per-bucket oracle's, whole phase."""
-        return self.step_oracle_goodput / self.oracle_goodput
-
-
-@dataclass(frozen=True)
-class RunResult:
-    """One (profile, workload, load, policy) run."""
-
-    profile: str
-    workload: str
-    load: str
-    policy: str
-    seed: int
-    phases: tuple[PhaseResult, ...]
-    convergence: tuple[BucketConvergence, ...]
-    pct_oracle: float
-    pct_oracle_all: float
-    explore_tokens_lost: float
-    explore_pct: float  # tokens lost to exploration, % of the tokens the run produced
-    switches: int
-    final_table: Table
-    notes: tuple[str, ...]
-    wall_s: float
-    pct_step_oracle: float = math.nan
-    pct_step_oracle_all: float = math.nan
-
-    @property
-    def worst_convergence_s(self) -> float:
-        """Traffic seconds of the slowest bucket: to converge, or spent unconverged."""
-        return max((max(c.traffic_s, c.unconverged_s) for c in self.convergence), default=0.0)
-
-
-@dataclass(frozen=True)
-class BenchResult:
-    config: BenchConfig
-    runs: tuple[RunResult, ...]
-    skipped: tuple[str, ...]
-    wall_s: float
-    checks: tuple[TargetCheck, ...] = ()
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "config": asdict(self.config),
-            "default_policy": DEFAULT_POLICY,
-            "wall_s": self.wall_s,
-            "skipped": list(self.skipped),
-            "targets": [asdict(c) for c in self.checks],
-            "runs": [_run_json(r) for r in self.runs],
-        }
-
-
-def _run_json(r: RunResult) -> dict[str, Any]:
-    out = asdict(r)
-    out["final_table"] = [list(row) for row in r.final_table]
-    out["worst_convergence_s"] = r.worst_convergence_s
-    for fields in (out, *out["phases"]):  # JSON has no NaN (no time after warm-up)
-        for key, value in fields.items():
-            if isinstance(value, float) and not math.isfinite(value):
-                fields[key] = None
-    return out
 
 
 # --- one run ------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from tuner.bench_config import (
 )
 
 if TYPE_CHECKING:
-    from tuner.bench import BenchResult, RunResult
+    from tuner.bench_results import BenchResult, RunResult
 
 __all__ = ["TARGETS", "TargetCheck", "check_targets", "summarize_policies"]
 

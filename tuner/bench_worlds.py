@@ -31,10 +31,10 @@ from tuner.bench import (
     RunResult,
     TargetCheck,
     _run_jobs,
-    _run_json,
     parse_policy_spec,
     sglang_available,
 )
+from tuner.bench_results import run_json
 from tuner.errors import ConfigError
 from tuner.sim._step_cost import MachineDrift
 from tuner.sim.worlds import World, make_world
@@ -186,7 +186,7 @@ class WorldBenchResult:
     def to_json(self) -> dict[str, Any]:
         runs = []
         for r in self.runs:
-            d = _run_json(r)
+            d = run_json(r)
             d["world"] = self.world_of(r).index
             runs.append(d)
         summaries = [asdict(s) for s in self.summaries()]
