@@ -3,6 +3,8 @@ live acceptance estimate could take of the per-step oracle's headroom at most.""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests._bench_scripts import load_benchmark
@@ -47,3 +49,23 @@ def test_bands_mode_prints_a_row_per_profile_and_workload(capsys, tmp_path):
     text = capsys.readouterr().out
     assert "h100-llama8b" in text and "diverse" in text
     assert '"probe_arm": 3' in out.read_text()
+
+
+def test_band_capture_prints_each_cell_with_the_ceiling_beside_it(capsys, tmp_path):
+    capture = load_benchmark("band_capture")
+    ceiling = tmp_path / "ceiling.json"
+    assert sh.main(["--bands", "--profiles", "h100-llama8b", "--workloads", "diverse",
+                    "--concurrency", "1", "--seconds", "10", "--warmup", "2", "--seeds", "1",
+                    "--jobs", "1", "--json", str(ceiling)]) == 0
+    capsys.readouterr()
+    out = tmp_path / "capture.json"
+    assert capture.main(["--profiles", "h100-llama8b", "--workloads", "diverse",
+                         "--concurrency", "1", "--seeds", "1", "--seconds", "10", "--warmup",
+                         "2", "--jobs", "1", "--ceiling", str(ceiling), "--json",
+                         str(out)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("h100"))
+    assert "diverse" in line and "|" in line  # the ceiling's cell found
+    (cell,) = json.loads(out.read_text())
+    assert cell["cell"] == ["h100-llama8b", "diverse", 1]
+    (gain, head), = cell["gain_headroom"]
+    assert head >= 0.0  # the per-step oracle is never below the per-bucket one
