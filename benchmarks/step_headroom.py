@@ -16,14 +16,16 @@ integral over the per-request Beta, taken by quadrature (a cross-check of the en
 
 **What the bands can take of it** (``--bands``). A banded table sees only the plugin's live
 estimate of the batch's per-position acceptance (``tuner.plugin.acceptance``), not each
-request's. Each cell then runs a table that drafts ``--probe-arm`` at every batch size, so
-the estimate is fresh at every step, and records per step the estimate the lookup saw and
-every arm's expected goodput for that step's requests. The best rule from the estimate to an
-arm, chosen with hindsight per cut of the estimate, is its ceiling: per protocol band
+request's. Each cell runs the per-bucket oracle's table as above, with a shadow of the
+plugin's estimate beside the engine, fed at every step with draws at ``--probe-arm`` from the
+running requests' own acceptance (a private random stream, so the run stays the table's),
+and records per step that estimate, the same quantity without sampling noise, and every
+arm's expected goodput for the step's requests. The best rule from the estimate to an arm,
+chosen with hindsight per cut of the estimate, is its ceiling: per protocol band
 (``tuner.protocol.BAND_EDGES``), and per 1/40 of acceptance (what finer bands could reach).
-Each is in % more expected tokens than the per-bucket oracle's arm on the same steps, beside
-the per-step oracle's. A ceiling, not a policy: its rule is fitted to the steps it scores,
-and a policy's estimate goes stale where its row is off.
+Each is in % more expected tokens than the table's own arms on the same steps, beside the
+per-step oracle's. A ceiling, not a policy: its rule is fitted to the steps it scores, and
+a policy's estimate goes stale where its row is off.
 
 Run: ``.venv/bin/python benchmarks/step_headroom.py`` (``--seconds 300 --seeds 1`` for a
 quick look; ``--json PATH`` writes the cells; ``--exact`` for the closed form at one request;
@@ -60,8 +62,10 @@ ARMS = (0, 1, 3, 5, 7)  # the bench's default arms
 FINE_BINS = 40  # cuts of the estimate for the "finer bands" ceiling
 
 
-def _engine(profile: str, workload: str, concurrency: int, seed: int,
-            engine: type[Engine] = Engine) -> tuple[Any, Any, PluginCore, Engine]:
+def _oracle_run(profile: str, workload: str, concurrency: int, seed: int,
+                engine: type[Engine] = Engine) -> Engine:
+    """An engine at a closed-loop ``concurrency`` whose plugin runs the per-bucket oracle's
+    table."""
     prof = load_profile(profile)
     wl = get_workload(workload)
     cap = prof.max_running or concurrency
@@ -70,17 +74,17 @@ def _engine(profile: str, workload: str, concurrency: int, seed: int,
     core = PluginCore(ARMS, started_at=0.0)
     eng = engine(profile=prof, workload=wl, core=core, max_running=cap, seed=seed,
                  load=ClosedLoop([(1e12, concurrency)]))
-    return prof, wl, core, eng
+    table = oracle_table(prof, wl, ARMS, max_batch=eng.graph_bs[-1], graph_bs=eng.graph_bs)
+    ok, why = core.apply_update(encode_update(table, 1))
+    if not ok:
+        raise RuntimeError(f"{profile}: the oracle's table was refused: {why}")
+    return eng
 
 
 def headroom(profile: str, workload: str, concurrency: int, seconds: float, warmup_s: float,
              seed: int) -> float:
     """% more expected tokens of the per-step oracle than the per-bucket table, same steps."""
-    prof, wl, core, eng = _engine(profile, workload, concurrency, seed)
-    table = oracle_table(prof, wl, ARMS, max_batch=eng.graph_bs[-1], graph_bs=eng.graph_bs)
-    ok, why = core.apply_update(encode_update(table, 1))
-    if not ok:
-        raise RuntimeError(f"{profile}: the oracle's table was refused: {why}")
+    eng = _oracle_run(profile, workload, concurrency, seed)
     eng.run_until(warmup_s)
     eng.step_oracle.take()
     eng.run_until(warmup_s + seconds)
@@ -137,13 +141,9 @@ def band_ceiling(profile: str, workload: str, concurrency: int, seconds: float,
     ran at each): the per-step oracle's, and the best rule from the batch's acceptance to an
     arm, per protocol band and per 1/FINE_BINS of acceptance, on the shadow estimate and on
     the exact value."""
-    prof, wl, core, eng = _engine(profile, workload, concurrency, seed, _EstimateEngine)
+    eng = _oracle_run(profile, workload, concurrency, seed, _EstimateEngine)
     assert isinstance(eng, _EstimateEngine) and isinstance(eng.step_oracle, _StepValues)
     eng.probe_arm = probe_arm
-    table = oracle_table(prof, wl, ARMS, max_batch=eng.graph_bs[-1], graph_bs=eng.graph_bs)
-    ok, why = core.apply_update(encode_update(table, 1))
-    if not ok:
-        raise RuntimeError(f"{profile}: the oracle's table was refused: {why}")
     eng.run_until(warmup_s)
     first = len(eng.step_oracle.steps)
     eng.run_until(warmup_s + seconds)
@@ -243,10 +243,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _band_ceiling_job(job: tuple[Any, ...]) -> dict[str, float]:
-    return band_ceiling(*job)
-
-
 def _pct(x: float) -> str:
     return f"{x + 0.0:+.1f}".replace("-0.0", "+0.0")  # a rule fitted in hindsight is >= 0
 
@@ -267,7 +263,7 @@ def print_bands(args: argparse.Namespace) -> int:
         done = [band_ceiling(*job) for job in jobs]
     else:
         with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-            done = list(pool.map(_band_ceiling_job, jobs))
+            done = list(pool.map(band_ceiling, *zip(*jobs, strict=True)))
     for i, (profile, workload, c) in enumerate(grid):
         runs = done[i * args.seeds:(i + 1) * args.seeds]
         cells.append({"profile": profile, "workload": workload, "concurrency": c, "runs": runs})
