@@ -35,6 +35,20 @@ def test_tiny_scenario_scores_within_the_oracle_and_repeats_exactly():
     assert a.final_table == b.final_table
 
 
+def test_policy_seed_moves_the_policys_luck_and_leaves_the_traffic():
+    # A policy with no random choices runs the same whatever its seed: the traffic is the
+    # run's seed's alone. Thompson sampling's draws follow the policy seed, which defaults to
+    # the run's.
+    fixed = run_one(policy="always:k=3", **TINY)
+    assert _figures(run_one(policy="always:k=3", policy_seed=7, **TINY)) == _figures(fixed)
+    same = run_one(policy="thompson", **TINY)
+    assert _figures(run_one(policy="thompson", policy_seed=0, **TINY)) == _figures(same)
+    other = run_one(policy="thompson", policy_seed=7, **TINY)
+    assert _figures(other) != _figures(same)
+    assert [ph.oracle_goodput for ph in other.phases] == pytest.approx(
+        [ph.oracle_goodput for ph in same.phases], rel=0.05)
+
+
 def test_oracle_table_scores_100_and_no_speculation_far_less():
     # On the H100 profile with chat, k = 3 is the best arm at every batch size up to 64.
     best = run_one(policy="always:k=3", **TINY)
@@ -161,13 +175,14 @@ def test_cli_bench_worlds_prints_each_world_and_the_worst_and_writes_json(tmp_pa
     out = tmp_path / "worlds.json"
     rc = main(["bench", "--worlds", "2-3", "--world-seed", "1", "--load", "12:1,12:16",
                "--policies", f"thompson,{DEFAULT_POLICY}", "--warmup", "4", "--jobs", "1",
-               "--json", str(out)])
+               "--policy-seed", "3", "--json", str(out)])
     text = capsys.readouterr().out
     assert rc == 0
     assert "world-2 (seed 1)" in text and "world-3 (seed 1)" in text
     assert "worst world: world-" in text and "of 2" in text
     data = json.loads(out.read_text())
     assert data["default_policy"] == DEFAULT_POLICY
+    assert (data["config"]["seed"], data["config"]["policy_seed"]) == (0, 3)
     assert [w["index"] for w in data["worlds"]] == [2, 3]
     assert [(r["world"], r["policy"]) for r in data["runs"]] == [
         (2, "thompson"), (2, DEFAULT_POLICY), (3, "thompson"), (3, DEFAULT_POLICY)]

@@ -238,6 +238,7 @@ def run_one(
     load: str,
     policy: str,
     seed: int = 0,
+    policy_seed: int | None = None,
     arms: Sequence[int] = DEFAULT_ARMS,
     interval_s: float = DEFAULT_BENCH_INTERVAL_S,
     decision_period_s: float = DEFAULT_BENCH_DECISION_PERIOD_S,
@@ -255,7 +256,8 @@ def run_one(
     ``profile`` and ``workload`` (which then only label the run). With ``tree``, the server
     drafts that tree at its arm ``tree.steps`` (arms 0 and the tree), in the engine and the
     scoring alike. With ``machine_drift`` the engine's steps run on a machine whose speed
-    wanders (every arm alike, so the scoring, by expectation, is unchanged).
+    wanders (every arm alike, so the scoring, by expectation, is unchanged). ``policy_seed``
+    seeds the policy's own random choices instead of ``seed`` (the traffic stays ``seed``'s).
     """
     wall0 = time.perf_counter()
     phases = _load_phases(load, duration_s, seed)
@@ -281,7 +283,8 @@ def run_one(
         core = _SGLangCore(arms, started_at=0.0, graph_bs=cuda_graph_bs(cap))
     else:
         core = PluginCore(arms, started_at=0.0, tree=tree)
-        pol = build_policy(policy, arms, seed, prof, wl, tree)
+        pol = build_policy(policy, arms, seed if policy_seed is None else policy_seed, prof,
+                           wl, tree)
     tree_arm = TreeArm(tree) if tree is not None else None
     engine = Engine(profile=prof, workload=wl, core=core, max_running=cap, seed=seed,
                     load=parse_load(load, seed=seed),
@@ -520,7 +523,8 @@ def _close(track: _BucketTrack) -> None:
 
 def _run_kwargs(config: BenchConfig) -> dict[str, Any]:
     return dict(
-        load=config.load, seed=config.seed, arms=config.arms, interval_s=config.interval_s,
+        load=config.load, seed=config.seed, policy_seed=config.policy_seed, arms=config.arms,
+        interval_s=config.interval_s,
         decision_period_s=config.decision_period_s, warmup_s=config.warmup_s,
         duration_s=config.duration_s, max_running=config.max_running,
         skip_zero_draft_extend=config.skip_zero_draft_extend, tree=config.tree,

@@ -118,6 +118,8 @@ class BenchConfig:
         policies: policy specs ``name[:key=value...]``; ``sglang-real`` runs SGLang's own
             AdaptiveSpeculativeParams when sglang is importable (skipped otherwise).
         seed: seeds engines and policies alike.
+        policy_seed: seeds the policies instead (the traffic stays ``seed``'s): two runs that
+            differ only here differ by the policies' luck alone.
         arms: the arms the simulated server builds.
         interval_s, decision_period_s: the daemon's read and decision periods.
         warmup_s: the start of each load phase "after warm-up" leaves out.
@@ -138,6 +140,7 @@ class BenchConfig:
     load: str = DEFAULT_BENCH_LOAD
     policies: tuple[str, ...] = DEFAULT_BENCH_POLICIES
     seed: int = 0
+    policy_seed: int | None = None
     arms: tuple[int, ...] = DEFAULT_ARMS
     interval_s: float = DEFAULT_BENCH_INTERVAL_S
     decision_period_s: float = DEFAULT_BENCH_DECISION_PERIOD_S

@@ -81,6 +81,7 @@ class WorldBenchConfig:
     load: str = DEFAULT_WORLD_LOAD
     policies: tuple[str, ...] = DEFAULT_WORLD_POLICIES
     seed: int = 0
+    policy_seed: int | None = None
     arms: tuple[int, ...] = DEFAULT_ARMS
     warmup_s: float = DEFAULT_WARMUP_S
     skip_zero_draft_extend: bool = False
@@ -94,7 +95,8 @@ class WorldBenchConfig:
             raise ConfigError(f"world seed must be >= 0, got {self.world_seed}")
         # The shared checks: policies, arms, load, warm-up, jobs (raise ConfigError).
         BenchConfig(profiles=("world",), workloads=("world",), load=self.load,
-                    policies=self.policies, seed=self.seed, arms=self.arms,
+                    policies=self.policies, seed=self.seed, policy_seed=self.policy_seed,
+                    arms=self.arms,
                     warmup_s=self.warmup_s, jobs=self.jobs)
 
 
@@ -234,7 +236,8 @@ def run_worlds(
         skipped.append(f"{SGLANG_REAL}: sglang is not importable here")
     jobs = [
         dict(profile=w.name, workload="generated", load=config.load, policy=pol,
-             seed=config.seed, arms=config.arms, warmup_s=config.warmup_s,
+             seed=config.seed, policy_seed=config.policy_seed, arms=config.arms,
+             warmup_s=config.warmup_s,
              skip_zero_draft_extend=config.skip_zero_draft_extend,
              machine_drift=config.machine_drift, world=w)
         for w in worlds for pol in policies

@@ -75,6 +75,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help=f"default: {','.join(DEFAULT_BENCH_POLICIES)}; with --worlds "
                    f"{','.join(DEFAULT_WORLD_POLICIES)}")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--policy-seed", type=int, default=None, metavar="S",
+                   help="seed the policies' own random choices with S instead of --seed (the "
+                   "traffic stays --seed's): rerun a bench with another S to see how much of a "
+                   "difference between two runs is the policies' luck")
     p.add_argument("--arms", type=_csv_ints, default=None, metavar="K,K,...",
                    help="arms the simulated server builds (default 0,1,3,5,7)")
     p.add_argument("--warmup", type=float, default=DEFAULT_WARMUP_S, metavar="S",
@@ -125,7 +129,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     config = BenchConfig(
         profiles=args.profiles or DEFAULT_BENCH_PROFILES,
         workloads=args.workloads or DEFAULT_BENCH_WORKLOADS, load=args.load or DEFAULT_BENCH_LOAD,
-        policies=args.policies or DEFAULT_BENCH_POLICIES, seed=args.seed, arms=arms,
+        policies=args.policies or DEFAULT_BENCH_POLICIES, seed=args.seed,
+        policy_seed=args.policy_seed, arms=arms,
         warmup_s=args.warmup, duration_s=args.duration, max_running=args.max_running,
         skip_zero_draft_extend=args.skip_zero_draft_extend, tree=args.tree, jobs=args.jobs,
         machine_drift=args.machine_drift,
@@ -219,7 +224,7 @@ def _cmd_bench_worlds(args: argparse.Namespace) -> int:
     config = WorldBenchConfig(
         worlds=args.worlds, world_seed=args.world_seed, load=args.load or DEFAULT_WORLD_LOAD,
         policies=args.policies or DEFAULT_WORLD_POLICIES, seed=args.seed,
-        arms=args.arms or DEFAULT_ARMS, warmup_s=args.warmup,
+        policy_seed=args.policy_seed, arms=args.arms or DEFAULT_ARMS, warmup_s=args.warmup,
         skip_zero_draft_extend=args.skip_zero_draft_extend, jobs=args.jobs,
         machine_drift=args.machine_drift,
     )
