@@ -524,8 +524,8 @@ def _close(track: _BucketTrack) -> None:
 def _run_kwargs(config: BenchConfig) -> dict[str, Any]:
     return dict(
         load=config.load, seed=config.seed, policy_seed=config.policy_seed, arms=config.arms,
-        interval_s=config.interval_s,
-        decision_period_s=config.decision_period_s, warmup_s=config.warmup_s,
+        interval_s=config.interval_s, decision_period_s=config.decision_period_s,
+        warmup_s=config.warmup_s,
         duration_s=config.duration_s, max_running=config.max_running,
         skip_zero_draft_extend=config.skip_zero_draft_extend, tree=config.tree,
         machine_drift=config.machine_drift,

@@ -96,8 +96,7 @@ class WorldBenchConfig:
         # The shared checks: policies, arms, load, warm-up, jobs (raise ConfigError).
         BenchConfig(profiles=("world",), workloads=("world",), load=self.load,
                     policies=self.policies, seed=self.seed, policy_seed=self.policy_seed,
-                    arms=self.arms,
-                    warmup_s=self.warmup_s, jobs=self.jobs)
+                    arms=self.arms, warmup_s=self.warmup_s, jobs=self.jobs)
 
 
 @dataclass(frozen=True)
@@ -237,8 +236,7 @@ def run_worlds(
     jobs = [
         dict(profile=w.name, workload="generated", load=config.load, policy=pol,
              seed=config.seed, policy_seed=config.policy_seed, arms=config.arms,
-             warmup_s=config.warmup_s,
-             skip_zero_draft_extend=config.skip_zero_draft_extend,
+             warmup_s=config.warmup_s, skip_zero_draft_extend=config.skip_zero_draft_extend,
              machine_drift=config.machine_drift, world=w)
         for w in worlds for pol in policies
     ]
