@@ -10,7 +10,8 @@ policy told part of the truth of the world it serves:
   workload's expectation at that moment (request-step weighted, as the oracle's), with no
   spread. The acceptance bands still learn from the counters.
 
-Traffic, scoring and everything else are the bench's. A ceiling, not a policy: what stays
+The truth is the run's engine's: its cost profile, workload and clock. Traffic, scoring
+and everything else are the bench's. A ceiling, not a policy: what stays
 short of 98 % with the truth told is lost elsewhere (the other quantity, the bands,
 exploration, a phase too short to settle in).
 
@@ -33,33 +34,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from policies import ModelPolicy
 from policies._steptime import StepTimePosterior
-from tuner import bench
 from tuner.cli import main as cli_main
+from tuner.sim.engine import Engine
 from tuner.sim.oracle import workload_emitted
 from tuner.sim.profiles import ProfileRangeError
 
 KNOWABLE = ("cost", "acceptance")
-_build_policy = bench.build_policy
-_step_times = ModelPolicy._step_times
+_engine_init = Engine.__init__
 _acceptance = ModelPolicy._acceptance
-_now = [0.0]  # the engine's virtual time (one run at a time per process)
+_engine: list[Engine] = []  # the engine of the run in progress (one at a time per process)
 
 
-class _Engine(bench.Engine):
-    def run_until(self, t: float) -> None:
-        _now[0] = t
-        super().run_until(t)
-
-
-def _told(*args: Any, **kw: Any) -> Any:
-    """The bench's policy, carrying the world's cost profile and workload."""
-    pol = _build_policy(*args, **kw)
-    pol._truth = (args[3], args[4])  # (profile, workload): build_policy's positionals
-    return pol
+def _watched_init(self: Engine, *args: Any, **kw: Any) -> None:
+    """Engine's own, then held as the run's truth: its profile, workload and clock (any
+    subclass's too, such as the benchmarks' tracing engines)."""
+    _engine_init(self, *args, **kw)
+    _engine[:] = [self]
 
 
 def _true_step_times(self: ModelPolicy) -> StepTimePosterior:
-    prof = self._truth[0]
+    prof = _engine[0].profile
     mean = np.zeros((len(self.buckets), len(self.arms)))
     for j in range(len(self.buckets)):
         for ai, k in enumerate(self.arms):
@@ -74,10 +68,10 @@ def _true_step_times(self: ModelPolicy) -> StepTimePosterior:
 
 def _true_acceptance(self: ModelPolicy) -> tuple[dict[int, float], dict[int, float]]:
     mean, sd = _acceptance(self)  # also fits the chain the policy's draws move along
-    prof, wl = self._truth
+    eng = _engine[0]
     for k in self.arms:
         if k > 0:
-            mean[k] = workload_emitted(wl, prof.acceptance, k, t=_now[0]) - 1.0
+            mean[k] = workload_emitted(eng.workload, eng.profile.acceptance, k, t=eng.now) - 1.0
             sd[k] = 1e-4
     self._alpha = (self._alpha[0], 1e-4)
     return mean, sd
@@ -85,8 +79,8 @@ def _true_acceptance(self: ModelPolicy) -> tuple[dict[int, float], dict[int, flo
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    rest = argv[argv.index("--") + 1:] if "--" in argv else []
-    mine = argv[:argv.index("--")] if "--" in argv else argv
+    cut = argv.index("--") if "--" in argv else len(argv)
+    mine, rest = argv[:cut], argv[cut + 1:]
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--know", default="cost",
                     help=f"what the model policy is told: a list of {', '.join(KNOWABLE)}")
@@ -94,8 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     know = {x.strip() for x in a.know.split(",") if x.strip()}
     if not know or not know <= set(KNOWABLE):
         ap.error(f"--know takes a list of {', '.join(KNOWABLE)}, got {a.know!r}")
-    patches = [mock.patch.object(bench, "build_policy", _told),
-               mock.patch.object(bench, "Engine", _Engine)]
+    patches = [mock.patch.object(Engine, "__init__", _watched_init)]
     if "cost" in know:
         patches.append(mock.patch.object(ModelPolicy, "_step_times", _true_step_times))
     if "acceptance" in know:

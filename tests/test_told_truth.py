@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import pytest
 
 from policies import Observation
 from tests._bench_scripts import load_benchmark
+from tuner.bench_config import build_policy
+from tuner.sim.engine import Engine
 from tuner.sim.oracle import workload_emitted
 from tuner.sim.profiles import load_profile
 from tuner.sim.workloads import get_workload
@@ -22,10 +25,13 @@ def tt():  # type: ignore[no-untyped-def]
 
 @pytest.fixture
 def told(tt):  # type: ignore[no-untyped-def]
-    """A bench policy that carries the H200 table and the chat workload, having seen one
-    interval at k = 3 that says nothing like the truth."""
+    """A bench policy beside an engine on the H200 table and the chat workload (built under
+    the script's watch, as the bench builds it), having seen one interval at k = 3 that
+    says nothing like the truth."""
     prof, wl = load_profile("h200-llama8b"), get_workload("chat")
-    pol = tt._told("model", ARMS, 0, prof, wl)
+    pol = build_policy("model", ARMS, 0, prof, wl)
+    with mock.patch.object(Engine, "__init__", tt._watched_init):
+        Engine(profile=prof, workload=wl, arms=ARMS, started_at=0.0)
     pol.update(Observation(b=8, k=3, decode_steps=100, emitted_tokens=900, accepted_drafts=100,
                            drafted_tokens=2400, busy_s=5.0))
     return pol, prof, wl
