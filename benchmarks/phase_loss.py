@@ -21,6 +21,7 @@ arm's expected goodput relative to the best and the busy seconds it ran.
 
     .venv/bin/python benchmarks/phase_loss.py --worlds 0-49 --seed 0
     .venv/bin/python benchmarks/phase_loss.py --worlds 1-1 --seed 0 --below 101   # every phase
+    .venv/bin/python benchmarks/phase_loss.py --worlds 32,32 --seed 0 --policy-seed 1000
 """
 
 from __future__ import annotations
@@ -131,7 +132,8 @@ def run_world(job: dict[str, Any]) -> list[str]:
     with mock.patch.object(bench, "Engine", _Engine), \
             mock.patch.object(bench, "build_policy", sr._capture_policy):
         res = bench.run_one(profile=world.name, workload="generated", load=job["load"],
-                            policy="model", seed=job["seed"], world=world,
+                            policy="model", seed=job["seed"], policy_seed=job["policy_seed"],
+                            world=world,
                             warmup_s=job["warmup_s"])
     eng, pol = sr._TracingEngine.last, sr._TracingEngine.policy
     assert isinstance(eng, _Engine) and pol is not None
@@ -183,12 +185,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="as bench's: N (worlds 0..N-1), A-B, or a list '3,7,10-12' (default 0-49)")
     ap.add_argument("--world-seed", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--policy-seed", type=int, default=None,
+                    help="as bench's: the policy's own random choices (default: --seed)")
     ap.add_argument("--load", default=DEFAULT_WORLD_LOAD)
     ap.add_argument("--warmup", type=float, default=30.0, help="seconds left out per phase")
     ap.add_argument("--below", type=float, default=98.0, help="phases below this % are split")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     a = ap.parse_args(argv)
-    jobs = [{"world": w, "world_seed": a.world_seed, "seed": a.seed, "load": a.load,
+    jobs = [{"world": w, "world_seed": a.world_seed, "seed": a.seed,
+             "policy_seed": a.policy_seed, "load": a.load,
              "warmup_s": a.warmup, "below": a.below} for w in a.worlds]
     print(f"{len(jobs)} worlds on {a.jobs} workers ...", file=sys.stderr)
     with ProcessPoolExecutor(a.jobs) as pool:
