@@ -119,6 +119,7 @@ class BandBook:
         self._first = {(i, k): [0.0, 0.0, 0.0] for i in range(len(self.mid))
                        for k in self.arms if k > 1}
         self._shape = delta
+        self._delta_measured = True
         # per bucket: discounted decode steps in each known band, at any arm
         self._occ: dict[int, list[float]] = {}
         self._emitted: list[tuple[dict[int, float], float]] | None = None
@@ -127,11 +128,12 @@ class BandBook:
     def bands(self) -> int:
         return len(self.mid)
 
-    def set_delta(self, delta: float) -> None:
+    def set_delta(self, delta: float, measured: bool = True) -> None:
         """The policy's pooled fit of the chain's δ: the bands' shape until they measure
-        their own (:meth:`shape`), and its prior after."""
-        if delta != self.delta:
-            self.delta, self._emitted = delta, None
+        their own (:meth:`shape`), and its prior after; ``measured`` if arms at two depths
+        fitted it (else it is the policy's prior, and bounds nothing)."""
+        if delta != self.delta or measured != self._delta_measured:
+            self.delta, self._delta_measured, self._emitted = delta, measured, None
 
     def update(self, obs: BandObservation, discount: float, shape_discount: float = 1.0) -> bool:
         """Count one observation, after ageing the acceptance by ``discount`` and the shape's
@@ -213,6 +215,12 @@ class BandBook:
         bands a banded row runs its deep arm in (the requests of high acceptance), which the
         measured shape does not, since its α and its accepted drafts come from the same
         steps; so the smaller of the two is the less inflated.
+
+        That holds only once the pooled δ is measured (:meth:`set_delta`). While every bucket
+        has run one depth its δ is the policy's prior, and bounding the measured shape by it
+        would lock a band in: on acceptance that rises with depth the prior's falling chain
+        makes the band's deeper arms look worse than the one it runs, so it never runs them,
+        the pooled fit never sees a second depth, and the bound stays.
         """
         if self._emitted is None:
             self._refit()
@@ -229,7 +237,8 @@ class BandBook:
             weight = rs * (k - 1)
             num += weight * _chain_delta(alpha, mean, k)
             den += weight
-        self._shape = min(num / den, self.delta)
+        measured = num / den
+        self._shape = min(measured, self.delta) if self._delta_measured else measured
         self._emitted = [self._fit(i) for i in range(self.bands)]
 
     def emitted(self, band: int) -> tuple[dict[int, float], float]:

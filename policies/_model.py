@@ -82,6 +82,10 @@ DEFAULT_CHAIN_DELTA = 0.973
 # The spread of the chain's δ around it before arms measured at two depths say otherwise:
 # chains of δ 0.85-1 and acceptance that rises with depth (δ above 1) are all seen.
 _DELTA_PRIOR_SD = 0.1
+# Request-steps (discounted) at the second most measured drafting arm before the fitted δ
+# counts as measured (at two depths) rather than as its prior (BandBook.set_delta): about 33
+# independent acceptance samples at DEFAULT_ACCEPTANCE_CORR.
+_DELTA_MEASURED_REQUEST_STEPS = 1000.0
 DEFAULT_MODEL_SAMPLE_SCALE = 1.0
 # Young buckets measure the arm with the best mean + OPTIMISM sd first.
 DEFAULT_OPTIMISM = 1.0
@@ -263,10 +267,17 @@ class ModelPolicy(LearningPolicy):
         greedy = self.greedy_arms()
         return self._banded(greedy, greedy)
 
+    def _delta_measured(self) -> bool:
+        """Whether the chain's δ is fitted on arms at two depths (the second most measured
+        drafting arm has enough request-steps), not its prior alone."""
+        second = sorted((rs for _, rs in self._acc.values()), reverse=True)[1:2]
+        return bool(second) and second[0] >= _DELTA_MEASURED_REQUEST_STEPS
+
     def _banded(self, arms: Sequence[int], greedy: Sequence[int]) -> BandTable:
         assert self._bands is not None
         t, margin, n = self._components()[0], self.params.switch_margin, self._bands.bands
-        self._bands.set_delta(self._delta)  # the pooled acceptance's shape, every band's prior
+        # the pooled acceptance's shape, every band's prior (and bound, once measured)
+        self._bands.set_delta(self._delta, self._delta_measured())
         rows: list[tuple[int, ...]] = []
         for j, arm in enumerate(arms):
             if arm != greedy[j]:  # an exploring row explores in every band

@@ -129,6 +129,34 @@ def test_the_bands_shape_is_measured_on_the_requests_themselves():
     assert q._bands.shape() == q._delta < 1.05
 
 
+def test_the_pooled_shape_bounds_the_bands_only_once_two_depths_measured_it():
+    # Acceptance that rises with depth (0.6 a position at first, 1.1 times more each
+    # further one), measured in band 2 at k = 3 on the requests themselves.
+    book = BandBook(EDGES, ARMS, 0.973)
+    n, rising = 4000, chain_accepted(0.6, 1.1, 3)
+    assert book.update(BandObservation(2, 3, n, n, round(rising * n), n, round(0.4 * n)), 1.0)
+    assert book.shape() == 0.973  # a pooled δ measured at two depths bounds the bands'
+    bounded = book.emitted(2)[0][5]
+    book.set_delta(0.973, measured=False)  # the policy's prior: no bound
+    assert book.shape() == pytest.approx(1.1, abs=0.01)
+    # The band's deeper arm through its own shape, not the prior's falling chain.
+    assert book.emitted(2)[0][5] == pytest.approx(1 + chain_accepted(0.6, 1.1, 5), abs=0.05)
+    assert book.emitted(2)[0][5] > bounded + 0.15
+
+
+def test_the_policy_says_whether_its_chain_shape_is_measured():
+    p = make_policy("model", arms=ARMS, seed=0)
+    assert isinstance(p, ModelPolicy)
+    p.set_bands(EDGES)
+    for _ in range(4):  # one depth only, however long
+        p.update(Observation(1, 3, 200, 200 + 236, 236, 600, 200 * step_s(1, 3)))
+    assert p.greedy_bands() is not None and p._bands is not None
+    assert not p._delta_measured() and not p._bands._delta_measured
+    q = trained()  # every arm measured at length
+    assert q.greedy_bands() is not None and q._bands is not None
+    assert q._delta_measured() and q._bands._delta_measured
+
+
 def cheap_drafts_low_acceptance() -> ModelPolicy:
     """Drafts cheap but rarely accepted (0.1 per position): the greedy table is off."""
     return trained(acc={0: 0.0, 1: 0.1, 3: 0.111, 5: 0.111},
