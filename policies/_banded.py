@@ -237,8 +237,8 @@ class BandBook:
             weight = rs * (k - 1)
             num += weight * _chain_delta(alpha, mean, k)
             den += weight
-        measured = num / den
-        self._shape = min(measured, self.delta) if self._delta_measured else measured
+        own = num / den  # the requests' own shape, shrunk towards the pooled δ
+        self._shape = min(own, self.delta) if self._delta_measured else own
         self._emitted = [self._fit(i) for i in range(self.bands)]
 
     def emitted(self, band: int) -> tuple[dict[int, float], float]:
