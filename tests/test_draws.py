@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -12,7 +13,7 @@ from tests._bench_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
-def dr():  # type: ignore[no-untyped-def]
+def dr() -> ModuleType:
     return load_benchmark("draws")
 
 
@@ -29,7 +30,7 @@ WORLDS: dict[str, Any] = {"worlds": [{"index": 0}, {"index": 1}, {"index": 2}], 
 ]}
 
 
-def test_a_worlds_draw_counts_ok_worlds_low_phases_and_their_shortfall(dr) -> None:  # type: ignore[no-untyped-def]
+def test_a_worlds_draw_counts_ok_worlds_low_phases_and_their_shortfall(dr: ModuleType) -> None:
     s = dr.score(WORLDS)
     assert (s["runs"], s["ok"], s["below"], s["floor"]) == (3, 1, 2, 1)
     assert s["shortfall"] == pytest.approx(5.0)
@@ -38,7 +39,7 @@ def test_a_worlds_draw_counts_ok_worlds_low_phases_and_their_shortfall(dr) -> No
     assert "behind" not in s
 
 
-def test_a_profiles_draw_counts_phases_behind_the_better_of_both_bandits(dr) -> None:  # type: ignore[no-untyped-def]
+def test_a_profiles_draw_counts_phases_behind_the_better_of_both_bandits(dr: ModuleType) -> None:
     doc = {"runs": [
         run("model", "h200", [99.0, 98.5, 97.0]),
         run("thompson", "h200", [100.5, 97.0, 97.0]),  # phase 0: 1.5 ahead
@@ -51,7 +52,7 @@ def test_a_profiles_draw_counts_phases_behind_the_better_of_both_bandits(dr) -> 
 
 
 def test_the_base_draws_pair_with_the_new_ones_and_totals_stand_side_by_side(
-        dr, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+        dr: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     new, base = tmp_path / "new.json", tmp_path / "base.json"
     new.write_text(json.dumps(WORLDS))
     base.write_text(json.dumps({**WORLDS, "runs": WORLDS["runs"][:1]}))
