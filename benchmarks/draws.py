@@ -30,9 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from policies import DEFAULT_POLICY
-from tuner.bench_worlds import BANDIT_MARGIN, WORLD_FLOOR_PCT, WORLD_TARGET_PCT
-
-_BANDITS = ("thompson", "ucb")
+from tuner.bench_worlds import BANDIT_MARGIN, BANDITS, WORLD_FLOOR_PCT, WORLD_TARGET_PCT
 
 
 def phases(run: dict[str, Any]) -> list[float]:
@@ -59,14 +57,14 @@ def score(doc: dict[str, Any], policy: str = DEFAULT_POLICY) -> dict[str, Any]:
         short += sum(WORLD_TARGET_PCT - p for p in bad)
         floor += any(p < WORLD_FLOOR_PCT for p in ps)
         ok += not bad and not any(math.isnan(p) for p in ps)
-        worst = min(worst, (min(ps, default=math.inf), name))
+        worst = min(worst, (min(filter(math.isfinite, ps), default=math.inf), name))
         if bad:
             out["low"].append((name, ps))
     out.update(ok=ok, below=below, shortfall=short, floor=floor, worst=worst)
     if "worlds" not in doc:  # shipped profiles: against the better bandit, phase by phase
         bandits: dict[tuple[str, str], list[list[float]]] = {}
         for r in doc["runs"]:
-            if r["policy"] in _BANDITS:
+            if r["policy"] in BANDITS:
                 bandits.setdefault((r["profile"], r["workload"]), []).append(phases(r))
         behind = 0
         for r in runs:

@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="as bench's: the policy's own random choices (default: --seed)")
     ap.add_argument("--load", default=DEFAULT_WORLD_LOAD)
     ap.add_argument("--warmup", type=float, default=30.0, help="seconds left out per phase")
-    ap.add_argument("--below", type=float, default=98.0, help="phases below this %% of the oracle are split")
+    ap.add_argument("--below", type=float, default=98.0,
+                    help="phases below this %% of the oracle are split")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     a = ap.parse_args(argv)
     jobs = [{"world": w, "world_seed": a.world_seed, "seed": a.seed,

@@ -40,8 +40,11 @@ from tuner.sim._step_cost import MachineDrift
 from tuner.sim.worlds import World, make_world
 
 __all__ = [
+    "BANDITS",
+    "BANDIT_MARGIN",
     "DEFAULT_WORLD_LOAD",
     "DEFAULT_WORLD_POLICIES",
+    "WORLD_FLOOR_PCT",
     "WORLD_TARGETS",
     "WORLD_TARGET_PCT",
     "WorldBenchConfig",
@@ -69,7 +72,7 @@ WORLD_TARGETS = (
     "<= 2 % of tokens lost to exploration in every world",
     "in no phase more than 1 point below the best of thompson and ucb",
 )
-_BANDITS = ("thompson", "ucb")
+BANDITS = ("thompson", "ucb")  # the plain bandits the default is held against
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,7 +154,7 @@ class WorldBenchResult:
         gap, where, over = -math.inf, "", 0
         for w in self.worlds:
             me = by.get((w.name, policy))
-            others = [by[(w.name, b)] for b in _BANDITS if (w.name, b) in by]
+            others = [by[(w.name, b)] for b in BANDITS if (w.name, b) in by]
             if me is None or not others:
                 continue
             for i, ph in enumerate(me.phases):
