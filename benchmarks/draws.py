@@ -2,7 +2,7 @@
 
 One run of ``dynspec-tuner bench`` is one draw of traffic and of the policy's own choices
 (``--seed``, ``--policy-seed``); luck alone moves a draw's count of worlds that clear 98 % in
-every phase by 2–4 (docs/bench.md, "How much of a difference is luck"). So a change is run on
+every phase by 2–4 (docs/policy-log.md, "How much of a difference is luck"). So a change is run on
 several draws, and this reads their ``--json`` files back into the figures the docs compare:
 
 - generated worlds (``bench --worlds``): worlds at ≥ 98 % in every phase after warm-up

@@ -4,7 +4,7 @@ A server that takes probes (protocol v2) runs a probe's arm for a given number o
 steps of its batch sizes and then goes back to the table by itself, so an exploring dwell
 lasts that many steps instead of the time until the next table arrives (a decision period,
 2 s by default). At 128-256 requests a decision period holds tens of steps, and one dwell of
-an arm far from the best cost 2-3 points of a phase of the bench (docs/bench.md,
+an arm far from the best cost 2-3 points of a phase of the bench (docs/policy-log.md,
 "Exploring probes").
 
 How long: at least the dwell every learning policy asks of an arm

@@ -62,6 +62,28 @@ def test_the_readmes_links_resolve():
     assert not missing
 
 
+def _anchors(page: Path) -> set[str]:
+    """The anchors a Markdown renderer gives ``page``'s headings (GitHub's rule)."""
+    out: set[str] = set()
+    for title in re.findall(r"^#+ (.+)$", page.read_text(), re.M):
+        slug = re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+        n = 0
+        while (anchor := slug if n == 0 else f"{slug}-{n}") in out:
+            n += 1
+        out.add(anchor)
+    return out
+
+
+def test_links_between_the_pages_land_on_a_heading():
+    broken = []
+    for page in PAGES:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*\.md)?#([^)\s]+)\)", page.read_text()):
+            dest = (page.parent / target) if target else page
+            if not dest.exists() or anchor not in _anchors(dest):
+                broken.append(f"{page.relative_to(ROOT)}: {target}#{anchor}")
+    assert not broken
+
+
 @pytest.mark.parametrize(("page", "command"), COMMANDS)
 def test_readme_command_parses(page, command):
     cmd = re.split(r"\s+#\s", command)[0]  # a trailing comment

@@ -43,7 +43,7 @@ LEVEL_MAX_S = float(os.environ.get("DYNSPEC_REAL_LEVEL_S", "60"))
 PHASE_S = 20.0  # one concurrency level's turn while the daemon runs
 # Turns per acceptance level (the levels alternate). The first level starts cold: with 4
 # turns (40 s per level) one run judged the table before the policy had tried k = 1 at 3-4
-# requests, the best arm there (docs/bench.md, "an arm no bucket ran"). After the change the
+# requests, the best arm there (docs/policy-log.md, "an arm no bucket ran"). After the change the
 # policy must first forget: its acceptance memory is 30 s of busy time (policies/_model.py),
 # and at 1-4 requests nothing shortens it (the shift detector needs more request-steps than
 # a few requests give). With 6 turns the greedy table still moved 102 and 123 s after the
@@ -59,7 +59,7 @@ TOLERANCE = 0.02
 # within 5 %, and a posterior draw picks it 0.3 % of the time (a CI run; in another it ran
 # k = 1 there twice and stopped). Three CI runs in four failed on this row alone. Until the
 # policy keeps an arm its data have not ruled out alive (the open item of the policy's
-# issue, docs/bench.md "an arm no bucket ran"), the row is reported, written to the results
+# issue, docs/policy-log.md "an arm no bucket ran"), the row is reported, written to the results
 # and failed only past KNOWN_SHORT_BOUND: a wrong arm by more than the near-tie. Every other
 # row is held to the full verdict.
 KNOWN_SHORT = {(0.8, 4)}
