@@ -7,7 +7,7 @@
   from the accepted/drafted counters (observable whenever ``k > 0``, no exploration needed);
   a chain model (``P(A ≥ i) = α^i δ^(i(i−1)/2)``, α fitted to those means, δ too once arms
   of two depths are measured, around the default δ) fills in arms never run, and shrinks the
-  noisy ones.
+  noisy ones (the counts and the fit: :mod:`policies._pooled`).
 - **Step time** ``T(b, k)`` per (bucket, arm) is the anchors' cost model (bilinear in ``b``
   and ``k``, plus weight reads that saturate in the tokens a forward carries, as a
   mixture-of-experts step's do) and each cell's deviation from it, a smooth field whose
@@ -34,11 +34,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from policies._acceptance import ALPHAS, chain_accepted, fit_chain
+from policies._acceptance import chain_accepted
 from policies._banded import BandBook, BandObservation, BandTable, band_table
 from policies._base import ArmEstimate, Observation
 from policies._learning import LearnerParams, LearningPolicy, _require
 from policies._machine import MachineSpeed
+from policies._pooled import PooledAcceptance
 from policies._stats import ArmStats, forgetting
 from policies._steptime import (
     DEFAULT_ZERO_ARM_SD,
@@ -82,10 +83,6 @@ DEFAULT_CHAIN_DELTA = 0.973
 # The spread of the chain's δ around it before arms measured at two depths say otherwise:
 # chains of δ 0.85-1 and acceptance that rises with depth (δ above 1) are all seen.
 _DELTA_PRIOR_SD = 0.1
-# Request-steps (discounted) at the second most measured drafting arm before the fitted δ
-# counts as measured (at two depths) rather than as its prior (BandBook.set_delta): about 33
-# independent acceptance samples at DEFAULT_ACCEPTANCE_CORR.
-_DELTA_MEASURED_REQUEST_STEPS = 1000.0
 DEFAULT_MODEL_SAMPLE_SCALE = 1.0
 # Young buckets measure the arm with the best mean + OPTIMISM sd first.
 DEFAULT_OPTIMISM = 1.0
@@ -99,9 +96,6 @@ DEFAULT_SHIFT_Z = 3.0
 # Busy seconds over which the machine's speed is averaged (policies._machine): a loaded
 # server's steps slow and speed up together for every arm over seconds to minutes.
 DEFAULT_MACHINE_MEMORY_S = 5.0
-# Shift detector: the short acceptance memory (decode steps) and the evidence it needs.
-_FAST_GAMMA = 1.0 - 1.0 / 400.0
-_FAST_MIN_REQUEST_STEPS = 2_000.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,19 +174,11 @@ class ModelPolicy(LearningPolicy):
     def __init__(self, **kw: object) -> None:
         super().__init__(**kw)  # type: ignore[arg-type]
         p = self.params
-        self._acc_gamma_rs = (
-            1.0 if math.isinf(p.acceptance_memory_request_steps)
-            else 1.0 - 1.0 / p.acceptance_memory_request_steps
-        )
-        self._acc_gamma_s = (
-            1.0 if math.isinf(p.acceptance_memory_steps)
-            else 1.0 - 1.0 / p.acceptance_memory_steps
-        )
-        # per arm k > 0: discounted accepted drafts and request-steps
-        self._acc = {k: [0.0, 0.0] for k in self.arms if k > 0}
-        # The same with a short memory: when it disagrees clearly with the long one, the
-        # workload changed, and the long memory restarts from it (detect and restart).
-        self._acc_fast = {k: [0.0, 0.0] for k in self.arms if k > 0}
+        self._pooled = PooledAcceptance(
+            self.arms, memory_request_steps=p.acceptance_memory_request_steps,
+            memory_steps=p.acceptance_memory_steps, memory_s=p.acceptance_memory_s,
+            corr=p.acceptance_corr, chain_delta=p.chain_delta, delta_prior_sd=_DELTA_PRIOR_SD,
+            shift_z=p.shift_z)
         # per bucket, per arm: discounted log step time (ArmStats over log seconds)
         self._time = [{k: ArmStats() for k in self.arms} for _ in range(len(self.buckets))]
         self._occ = [[0.0, 0.0] for _ in range(len(self.buckets))]  # discounted steps, steps*b
@@ -246,7 +232,7 @@ class ModelPolicy(LearningPolicy):
         # acceptance for minutes of light traffic.
         # The shape's evidence ages per request-step only: how acceptance falls with depth
         # is the requests' own and outlasts their acceptance.
-        per_rs = self._acc_gamma_rs ** max(obs.request_steps, 0)
+        per_rs = self._pooled.gamma_rs ** max(obs.request_steps, 0)
         f = per_rs * math.exp(-self._band_busy / self.params.acceptance_memory_s)
         if not self._bands.update(obs, f, per_rs):
             return False  # refused, nothing aged: the busy seconds wait for the next one
@@ -268,10 +254,8 @@ class ModelPolicy(LearningPolicy):
         return self._banded(greedy, greedy)
 
     def _delta_measured(self) -> bool:
-        """Whether the chain's δ is fitted on arms at two depths (the second most measured
-        drafting arm has enough request-steps), not its prior alone."""
-        second = sorted((rs for _, rs in self._acc.values()), reverse=True)[1:2]
-        return bool(second) and second[0] >= _DELTA_MEASURED_REQUEST_STEPS
+        """Whether the chain's δ is fitted on arms at two depths, not its prior alone."""
+        return self._pooled.delta_measured()
 
     def _banded(self, arms: Sequence[int], greedy: Sequence[int]) -> BandTable:
         assert self._bands is not None
@@ -313,37 +297,11 @@ class ModelPolicy(LearningPolicy):
         occ[0] = occ[0] * factor + s
         occ[1] = occ[1] * factor + s * obs.b
         if obs.k > 0:
-            # Acceptance ages only while it is measured: with nothing drafting nothing new can
-            # be learned, and forgetting would only buy exploration of arms the last evidence
-            # rules out.
-            req_steps = s * obs.b
-            f = forgetting(self._acc_gamma_rs**req_steps * self._acc_gamma_s**s, obs.busy_s,
-                           self.params.acceptance_memory_s)
-            fast = _FAST_GAMMA**s
-            for acc, quick in zip(self._acc.values(), self._acc_fast.values(), strict=True):
-                acc[0] *= f
-                acc[1] *= f
-                quick[0] *= fast
-                quick[1] *= fast
-            for table in (self._acc, self._acc_fast):
-                table[obs.k][0] += obs.accepted_drafts
-                table[obs.k][1] += req_steps
-            self._detect_shift(obs.k)
+            shift = self._pooled.add(obs.k, s, s * obs.b, obs.accepted_drafts, obs.busy_s)
+            if shift is not None:
+                self._note(shift)
         self._pred = None
         self._comp = None
-
-    def _detect_shift(self, k: int) -> None:
-        p = self.params
-        (a_slow, rs_slow), (a_fast, rs_fast) = self._acc[k], self._acc_fast[k]
-        if rs_fast < _FAST_MIN_REQUEST_STEPS or rs_slow <= rs_fast:
-            return
-        m_slow, m_fast = a_slow / rs_slow, a_fast / rs_fast
-        sd = (k / 2) * math.sqrt(p.acceptance_corr / rs_fast + p.acceptance_corr / rs_slow)
-        if abs(m_fast - m_slow) > p.shift_z * sd:
-            for arm in self._acc:
-                self._acc[arm][:] = self._acc_fast[arm]
-            self._note(f"acceptance changed: k={k} accepts {m_fast:.2f} drafts per request-"
-                       f"step, was {m_slow:.2f}; the acceptance estimate restarts")
 
     def _learn(self, j: int, obs: Observation, r: float) -> None:
         super()._learn(j, obs, r)
@@ -363,14 +321,8 @@ class ModelPolicy(LearningPolicy):
 
     def _acceptance(self) -> tuple[dict[int, float], dict[int, float]]:
         """Mean accepted drafts per request-step, and its standard deviation, per arm."""
-        p = self.params
-        direct: dict[int, tuple[float, float]] = {}
-        for k, (acc, rs) in self._acc.items():
-            if rs > 0:
-                m = min(max(acc / rs, 0.0), float(k))
-                sd = (k / 2) * math.sqrt(p.acceptance_corr / rs)
-                direct[k] = (m, sd)
-        alpha, alpha_sd, self._delta = self._fit_chain(direct)
+        direct = self._pooled.direct()
+        alpha, alpha_sd, self._delta = self._pooled.fit(direct)
         self._alpha = (alpha, alpha_sd)
         mean, sd = {0: 0.0}, {0: 0.0}
         for k in self.arms:
@@ -388,44 +340,6 @@ class ModelPolicy(LearningPolicy):
             else:
                 mean[k], sd[k] = m_model, sd_model
         return mean, sd
-
-    def _fit_chain(self, direct: dict[int, tuple[float, float]]
-                   ) -> tuple[float, float, float]:
-        """``(α, its standard error, δ)`` of the chain model, fitted by least squares to the
-        measured means: δ is the default's unless two or more arms measured say otherwise."""
-        if not direct:  # nothing seen yet: a wide prior around typical EAGLE-3 chat
-            return 0.7, 0.3, self.params.chain_delta
-        drafting = [k for k in self.arms if k > 0]
-        coarse, delta = fit_chain(drafting, [(k, m, 1 / (sd * sd + 1e-12))
-                                        for k, (m, sd) in direct.items()],
-                             self.params.chain_delta, _DELTA_PRIOR_SD)
-
-        def loss(a: float) -> float:
-            return sum(((m - chain_accepted(a, delta, k)) / sd) ** 2
-                       for k, (m, sd) in direct.items())
-
-        # Golden section within the grid's step around its α (a 1e-4 bracket in 12 steps).
-        step = float(ALPHAS[1] - ALPHAS[0])
-        lo, hi = max(coarse - step, 0.0), min(coarse + step, 1.0)
-        g = (math.sqrt(5) - 1) / 2
-        x1, x2 = hi - g * (hi - lo), lo + g * (hi - lo)
-        f1, f2 = loss(x1), loss(x2)
-        for _ in range(12):
-            if f1 < f2:
-                hi, x2, f2 = x2, x1, f1
-                x1 = hi - g * (hi - lo)
-                f1 = loss(x1)
-            else:
-                lo, x1, f1 = x1, x2, f2
-                x2 = lo + g * (hi - lo)
-                f2 = loss(x2)
-        alpha = (lo + hi) / 2
-        # Curvature of the loss gives α's standard error.
-        h = 1e-3
-        a0, a1, a2 = max(alpha - h, 0.0), alpha, min(alpha + h, 1.0)
-        curv = (loss(a2) - 2 * loss(a1) + loss(a0)) / (h * h)
-        sd = math.sqrt(2 / curv) if curv > 0 else 0.3
-        return alpha, min(sd, 0.3), delta
 
     def _step_times(self) -> StepTimePosterior:
         """Log step time per (bucket, arm): the cost model plus each cell's learned deviation
@@ -527,7 +441,7 @@ class ModelPolicy(LearningPolicy):
         the chain model's α moves every arm's emitted tokens together (so an arm cannot look
         better through acceptance that the others do not share), and never past ``k + 1``.
         Step times are drawn jointly per bucket for the same reason."""
-        t, em, em_sd = self._components()
+        t, em, _ = self._components()
         p, pred, measured = self.params, self._predictions()[j], self._state[j].stats
         now = sum(self._busy)
         scale, gauss = p.sample_scale, self._rng.gauss

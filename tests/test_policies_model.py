@@ -10,6 +10,7 @@ import pytest
 from policies import Buckets, ModelPolicy, Observation, expected_emitted, make_policy
 from policies._acceptance import chain_accepted, fit_chain
 from policies._model import DEFAULT_CHAIN_DELTA
+from policies._pooled import PooledAcceptance
 
 ARMS = (0, 1, 3, 5)
 
@@ -319,3 +320,25 @@ def test_a_step_time_measured_minutes_ago_gives_way_to_a_fresh_one():
 def test_step_time_memory_is_validated():
     with pytest.raises(ValueError, match="step_time_memory_s"):
         make_policy("model", arms=ARMS, step_time_memory_s=0.0)
+
+
+def test_the_pooled_counts_restart_from_their_short_memory_when_acceptance_shifts():
+    pool = PooledAcceptance((0, 1, 3), memory_request_steps=1e5, memory_steps=5e3,
+                            memory_s=math.inf, corr=30.0, chain_delta=0.973,
+                            delta_prior_sd=0.1, shift_z=3.0)
+    for _ in range(100):  # 2 of 3 drafts accepted per request-step, long enough to be sure
+        assert pool.add(3, 100, 800, 1600, 1.0) is None
+    assert pool.direct()[3][0] == pytest.approx(2.0)
+    assert not pool.delta_measured()  # one depth only: δ is its prior's
+    said = None
+    for _ in range(20):  # now 0.5: the short memory sees it long before the long one
+        said = pool.add(3, 100, 800, 400, 1.0)
+        if said is not None:
+            break
+    assert said is not None and "k=3" in said
+    mean, _ = pool.direct()[3]
+    # restarted from the short memory (a few hundred steps, part old, part new); the long
+    # one, of tens of thousands of request-steps at 2.0, would still read above 1.9
+    assert 0.5 < mean < 1.6
+    pool.add(1, 10, 1000, 500, 1.0)
+    assert pool.delta_measured()  # a second depth with 1000 request-steps

@@ -1,0 +1,145 @@
+"""The model policy's pooled acceptance: one estimate for the whole server.
+
+Acceptance is a property of the requests, not of the batch size, so every bucket's drafting
+feeds one count per arm ``k > 0``: the discounted accepted drafts and request-steps. A copy
+with a short memory watches for a workload shift (detect and restart), and a chain model
+(``P(A ≥ i) = α^i δ^(i(i−1)/2)``) fitted to the per-arm means gives the arms never run.
+How the means become per-arm predictions is the policy's (``ModelPolicy._acceptance``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from policies._acceptance import ALPHAS, chain_accepted, fit_chain
+from policies._stats import forgetting
+
+__all__ = ["PooledAcceptance"]
+
+# Shift detector: the short memory (decode steps) and the evidence it needs.
+_FAST_GAMMA = 1.0 - 1.0 / 400.0
+_FAST_MIN_REQUEST_STEPS = 2_000.0
+# Request-steps (discounted) at the second most measured drafting arm before the fitted δ
+# counts as measured (at two depths) rather than as its prior (BandBook.set_delta): about 33
+# independent acceptance samples at the policy's default acceptance_corr (30).
+_DELTA_MEASURED_REQUEST_STEPS = 1000.0
+
+
+def _gamma(memory: float) -> float:
+    return 1.0 if math.isinf(memory) else 1.0 - 1.0 / memory
+
+
+class PooledAcceptance:
+    """Discounted accepted drafts and request-steps per drafting arm, with shift detection
+    and the chain fit through them.
+
+    Args:
+        arms: the policy's arms (``k = 0`` holds no acceptance).
+        memory_request_steps, memory_steps, memory_s: the three memories that discount the
+            counts (per request-step, per decode step, per busy second: the shortest counts).
+        corr: request-steps per independent acceptance sample.
+        chain_delta: the chain's δ before arms at two depths say otherwise.
+        delta_prior_sd: its prior spread.
+        shift_z: z-score at which the short memory overrules the long one.
+    """
+
+    def __init__(self, arms: Sequence[int], *, memory_request_steps: float,
+                 memory_steps: float, memory_s: float, corr: float, chain_delta: float,
+                 delta_prior_sd: float, shift_z: float) -> None:
+        self.arms = tuple(arms)
+        self.gamma_rs = _gamma(memory_request_steps)
+        self._gamma_steps = _gamma(memory_steps)
+        self._memory_s, self._corr, self._shift_z = memory_s, corr, shift_z
+        self._chain_delta, self._delta_prior_sd = chain_delta, delta_prior_sd
+        # per arm k > 0: discounted accepted drafts and request-steps
+        self._acc = {k: [0.0, 0.0] for k in self.arms if k > 0}
+        # The same with a short memory: when it disagrees clearly with the long one, the
+        # workload changed, and the long memory restarts from it (detect and restart).
+        self._fast = {k: [0.0, 0.0] for k in self.arms if k > 0}
+
+    def add(self, k: int, steps: int, request_steps: int, accepted: int,
+            busy_s: float) -> str | None:
+        """Count ``steps`` decode steps at arm ``k > 0``, after ageing every arm's counts;
+        returns what changed if the short memory overruled the long one (a workload shift).
+
+        Acceptance ages only while it is measured: with nothing drafting nothing new can be
+        learned, and forgetting would only buy exploration of arms the last evidence rules
+        out."""
+        f = forgetting(self.gamma_rs**request_steps * self._gamma_steps**steps, busy_s,
+                       self._memory_s)
+        fast = _FAST_GAMMA**steps
+        for acc, quick in zip(self._acc.values(), self._fast.values(), strict=True):
+            acc[0] *= f
+            acc[1] *= f
+            quick[0] *= fast
+            quick[1] *= fast
+        for table in (self._acc, self._fast):
+            table[k][0] += accepted
+            table[k][1] += request_steps
+        return self._detect_shift(k)
+
+    def _detect_shift(self, k: int) -> str | None:
+        (a_slow, rs_slow), (a_fast, rs_fast) = self._acc[k], self._fast[k]
+        if rs_fast < _FAST_MIN_REQUEST_STEPS or rs_slow <= rs_fast:
+            return None
+        m_slow, m_fast = a_slow / rs_slow, a_fast / rs_fast
+        sd = (k / 2) * math.sqrt(self._corr / rs_fast + self._corr / rs_slow)
+        if abs(m_fast - m_slow) <= self._shift_z * sd:
+            return None
+        for arm in self._acc:
+            self._acc[arm][:] = self._fast[arm]
+        return (f"acceptance changed: k={k} accepts {m_fast:.2f} drafts per request-step, "
+                f"was {m_slow:.2f}; the acceptance estimate restarts")
+
+    def direct(self) -> dict[int, tuple[float, float]]:
+        """Per measured arm: mean accepted drafts per request-step, and its standard error."""
+        out: dict[int, tuple[float, float]] = {}
+        for k, (acc, rs) in self._acc.items():
+            if rs > 0:
+                m = min(max(acc / rs, 0.0), float(k))
+                out[k] = (m, (k / 2) * math.sqrt(self._corr / rs))
+        return out
+
+    def delta_measured(self) -> bool:
+        """Whether the chain's δ is fitted on arms at two depths (the second most measured
+        drafting arm has enough request-steps), not its prior alone."""
+        second = sorted((rs for _, rs in self._acc.values()), reverse=True)[1:2]
+        return bool(second) and second[0] >= _DELTA_MEASURED_REQUEST_STEPS
+
+    def fit(self, direct: dict[int, tuple[float, float]]) -> tuple[float, float, float]:
+        """``(α, its standard error, δ)`` of the chain model, fitted by least squares to the
+        measured means: δ is the default's unless two or more arms measured say otherwise."""
+        if not direct:  # nothing seen yet: a wide prior around typical EAGLE-3 chat
+            return 0.7, 0.3, self._chain_delta
+        drafting = [k for k in self.arms if k > 0]
+        coarse, delta = fit_chain(drafting, [(k, m, 1 / (sd * sd + 1e-12))
+                                        for k, (m, sd) in direct.items()],
+                             self._chain_delta, self._delta_prior_sd)
+
+        def loss(a: float) -> float:
+            return sum(((m - chain_accepted(a, delta, k)) / sd) ** 2
+                       for k, (m, sd) in direct.items())
+
+        # Golden section within the grid's step around its α (a 1e-4 bracket in 12 steps).
+        step = float(ALPHAS[1] - ALPHAS[0])
+        lo, hi = max(coarse - step, 0.0), min(coarse + step, 1.0)
+        g = (math.sqrt(5) - 1) / 2
+        x1, x2 = hi - g * (hi - lo), lo + g * (hi - lo)
+        f1, f2 = loss(x1), loss(x2)
+        for _ in range(12):
+            if f1 < f2:
+                hi, x2, f2 = x2, x1, f1
+                x1 = hi - g * (hi - lo)
+                f1 = loss(x1)
+            else:
+                lo, x1, f1 = x1, x2, f2
+                x2 = lo + g * (hi - lo)
+                f2 = loss(x2)
+        alpha = (lo + hi) / 2
+        # Curvature of the loss gives α's standard error.
+        h = 1e-3
+        a0, a1, a2 = max(alpha - h, 0.0), alpha, min(alpha + h, 1.0)
+        curv = (loss(a2) - 2 * loss(a1) + loss(a0)) / (h * h)
+        sd = math.sqrt(2 / curv) if curv > 0 else 0.3
+        return alpha, min(sd, 0.3), delta
