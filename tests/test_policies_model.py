@@ -179,7 +179,7 @@ def test_where_the_cost_model_fits_nothing_is_explored(seed):
     # The same history on the bilinear surface: the model fits, the unmeasured k = 7 at
     # b = 16 is predicted tightly (far behind), and the bucket stays on its best arm.
     assert surface_best(step_s_all, 16) == 3
-    p, first, chosen = _run_mid_batch(step_s_all, seed)
+    _, first, chosen = _run_mid_batch(step_s_all, seed)
     assert first == 3 and set(chosen) == {3}
 
 

@@ -25,7 +25,7 @@ RUN_TESTS = (
 
 
 def _blocks(text: str) -> list[str]:
-    return re.findall(r"```(?:bash|sh|shell|console)\n(.*?)```", text, re.S)
+    return re.findall(r"```(?:bash|sh|shell|console)\n(.*?)```", text, re.DOTALL)
 
 
 def _commands(path: Path) -> list[str]:
@@ -65,7 +65,7 @@ def test_the_readmes_links_resolve():
 def _anchors(page: Path) -> set[str]:
     """The anchors a Markdown renderer gives ``page``'s headings (GitHub's rule)."""
     out: set[str] = set()
-    for title in re.findall(r"^#+ (.+)$", page.read_text(), re.M):
+    for title in re.findall(r"^#+ (.+)$", page.read_text(), re.MULTILINE):
         slug = re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
         n = 0
         while (anchor := slug if n == 0 else f"{slug}-{n}") in out:
