@@ -14,7 +14,9 @@ several draws, and this reads their ``--json`` files back into the figures the d
     .venv/bin/python benchmarks/draws.py new-s0.json new-s1.json --base base-s0.json base-s1.json
 
 ``--base`` files are paired with the others in order, and the totals set side by side.
-``--low`` lists each draw's phases below 98 %.
+``--low`` lists each draw's phases below 98 %. ``--pair`` reads each base draw only for the runs
+its new draw holds (a change screened on a few worlds, against the base's draws of them all)
+and lists, run by run, the base's phases beside the new ones wherever either falls below 98 %.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def score(doc: dict[str, Any], policy: str = DEFAULT_POLICY) -> dict[str, Any]:
     worst = (math.inf, "")
     for r in runs:
         ps = phases(r)
-        name = r["profile"] if "worlds" in doc else f"{r['profile']} {r['workload']}"
+        name = run_name(doc, r)
         bad = [p for p in ps if p < WORLD_TARGET_PCT]
         below += len(bad)
         short += sum(WORLD_TARGET_PCT - p for p in bad)
@@ -73,6 +75,30 @@ def score(doc: dict[str, Any], policy: str = DEFAULT_POLICY) -> dict[str, Any]:
                 best = max((o[i] for o in others if i < len(o)), default=-math.inf)
                 behind += best - p > BANDIT_MARGIN
         out["behind"] = behind
+    return out
+
+
+def run_name(doc: dict[str, Any], run: dict[str, Any]) -> str:
+    return run["profile"] if "worlds" in doc else f"{run['profile']} {run['workload']}"
+
+
+def restricted(base: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with only the runs ``new`` holds (by name and policy)."""
+    keep = {(run_name(new, r), r["policy"]) for r in new["runs"]}
+    return {**base, "runs": [r for r in base["runs"] if (run_name(base, r), r["policy"]) in keep]}
+
+
+def paired(base: dict[str, Any], new: dict[str, Any], policy: str) -> list[str]:
+    """Run by run, the base's phases beside the new ones where either has one below 98 %."""
+    before = {run_name(base, r): phases(r) for r in base["runs"] if r["policy"] == policy}
+    out = []
+    for r in new["runs"]:
+        name, now = run_name(new, r), phases(r)
+        was = before.get(name)
+        if was is None or not any(p < WORLD_TARGET_PCT for p in (*was, *now)):
+            continue
+        out.append(f"    {name:28s} {' '.join(f'{p:5.1f}' for p in was)}  ->  "
+                   f"{' '.join(f'{p:5.1f}' for p in now)}")
     return out
 
 
@@ -103,24 +129,36 @@ def main(argv: list[str] | None = None) -> int:
                     help="the same draws of the base, in the same order")
     ap.add_argument("--policy", default=DEFAULT_POLICY)
     ap.add_argument("--low", action="store_true", help="list each draw's phases below 98 %%")
+    ap.add_argument("--pair", action="store_true",
+                    help="read each base draw for its new draw's runs only, and list their "
+                         "phases side by side wherever either is below 98 %%")
     a = ap.parse_args(argv)
     if a.base and len(a.base) != len(a.files):
         ap.error(f"{len(a.base)} --base files for {len(a.files)} draws")
-    groups = [("base", a.base), ("new", a.files)] if a.base else [("", a.files)]
-    summary = []
-    for label, files in groups:
-        scores = []
-        for f in files:
-            try:
-                s = score(json.loads(f.read_text()), a.policy)
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                print(f"draws: {f}: {e}", file=sys.stderr)
-                return 2
-            scores.append(s)
-            print(line(f.name, s))
-            for name, ps in s["low"] if a.low else ():
-                print(f"    {name:28s} {' '.join(f'{p:5.1f}' for p in ps)}")
-        summary.append(f"{label + ': ' if label else ''}{totals(scores)}")
+    if a.pair and not a.base:
+        ap.error("--pair needs --base")
+    try:
+        docs = {f: json.loads(f.read_text()) for f in [*a.files, *a.base]}
+        if a.pair:
+            for f, b in zip(a.files, a.base, strict=True):
+                docs[b] = restricted(docs[b], docs[f])
+        groups = [("base", a.base), ("new", a.files)] if a.base else [("", a.files)]
+        summary = []
+        for label, files in groups:
+            scores = []
+            for f in files:
+                s = score(docs[f], a.policy)
+                scores.append(s)
+                print(line(f.name, s))
+                for name, ps in s["low"] if a.low else ():
+                    print(f"    {name:28s} {' '.join(f'{p:5.1f}' for p in ps)}")
+            summary.append(f"{label + ': ' if label else ''}{totals(scores)}")
+        for f, b in zip(a.files, a.base, strict=True) if a.pair else ():
+            print(f"{b.name} -> {f.name}")
+            print("\n".join(paired(docs[b], docs[f], a.policy)))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"draws: {e}", file=sys.stderr)
+        return 2
     print("\n".join(summary))
     return 0
 

@@ -64,3 +64,18 @@ def test_the_base_draws_pair_with_the_new_ones_and_totals_stand_side_by_side(
         dr.main([str(new), "--base", str(base), str(base)])
     (tmp_path / "bad.json").write_text("{}")
     assert dr.main([str(tmp_path / "bad.json")]) == 2
+
+
+def test_a_screen_on_some_worlds_is_judged_against_the_same_worlds_of_the_base(
+        dr: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    new, base = tmp_path / "new.json", tmp_path / "base.json"
+    # the change screened on world-1 alone, against the base's draw of every world
+    new.write_text(json.dumps({**WORLDS, "runs": [run("model", "world-1", [99.0, 96.5, 100.0])]}))
+    base.write_text(json.dumps(WORLDS))
+    assert dr.main([str(new), "--base", str(base), "--pair"]) == 0
+    out = capsys.readouterr().out
+    assert "base: ok 0/1" in out and "new: ok 0/1" in out  # world-0 and world-2 left out
+    assert "shortfall 5.0" in out and "shortfall 1.5" in out
+    assert " 97.0  94.0 100.0  ->   99.0  96.5 100.0" in out
+    with pytest.raises(SystemExit):
+        dr.main([str(new), "--pair"])  # nothing to pair with
