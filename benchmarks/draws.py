@@ -78,6 +78,11 @@ def score(doc: dict[str, Any], policy: str = DEFAULT_POLICY) -> dict[str, Any]:
     return out
 
 
+def row(ps: Sequence[float]) -> str:
+    """A run's phases as one line of figures."""
+    return " ".join(f"{p:5.1f}" for p in ps)
+
+
 def run_name(doc: dict[str, Any], run: dict[str, Any]) -> str:
     return run["profile"] if "worlds" in doc else f"{run['profile']} {run['workload']}"
 
@@ -97,8 +102,7 @@ def paired(base: dict[str, Any], new: dict[str, Any], policy: str) -> list[str]:
         was = before.get(name)
         if was is None or not any(p < WORLD_TARGET_PCT for p in (*was, *now)):
             continue
-        out.append(f"    {name:28s} {' '.join(f'{p:5.1f}' for p in was)}  ->  "
-                   f"{' '.join(f'{p:5.1f}' for p in now)}")
+        out.append(f"    {name:28s} {row(was)}  ->  {row(now)}")
     return out
 
 
@@ -151,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                 scores.append(s)
                 print(line(f.name, s))
                 for name, ps in s["low"] if a.low else ():
-                    print(f"    {name:28s} {' '.join(f'{p:5.1f}' for p in ps)}")
+                    print(f"    {name:28s} {row(ps)}")
             summary.append(f"{label + ': ' if label else ''}{totals(scores)}")
         for f, b in zip(a.files, a.base, strict=True) if a.pair else ():
             print(f"{b.name} -> {f.name}")

@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 
 from policies._base import ArmEstimate, BasePolicy, Buckets, Observation, PolicySnapshot, Table
 from policies._guard import guard_check
-from policies._stats import ArmStats, forgetting, reward
+from policies._stats import ArmStats, discount, forgetting, reward
 
 __all__ = [
     "DEFAULT_EXPLORE_ALLOWANCE_STEPS",
@@ -230,8 +230,8 @@ class LearningPolicy(BasePolicy):
             raise ValueError(f"initial_arm {params.initial_arm} is not among arms {self.arms}")
         self.params = params
         self._rng = random.Random(seed)
-        self._gamma = 1.0 if math.isinf(params.memory_steps) else 1.0 - 1.0 / params.memory_steps
-        self._guard_gamma = 1.0 - 1.0 / params.guard_memory_steps
+        self._gamma = discount(params.memory_steps)
+        self._guard_gamma = discount(params.guard_memory_steps)
         self._state = [_BucketState(self.arms) for _ in range(len(self.buckets))]
         self._notes: list[str] = []
 

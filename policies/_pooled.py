@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 
 from policies._acceptance import ALPHAS, chain_accepted, fit_chain
-from policies._stats import forgetting
+from policies._stats import discount, forgetting
 
 __all__ = ["PooledAcceptance"]
 
@@ -24,10 +24,6 @@ _FAST_MIN_REQUEST_STEPS = 2_000.0
 # counts as measured (at two depths) rather than as its prior (BandBook.set_delta): about 33
 # independent acceptance samples at the policy's default acceptance_corr (30).
 _DELTA_MEASURED_REQUEST_STEPS = 1000.0
-
-
-def _gamma(memory: float) -> float:
-    return 1.0 if math.isinf(memory) else 1.0 - 1.0 / memory
 
 
 class PooledAcceptance:
@@ -48,8 +44,8 @@ class PooledAcceptance:
                  memory_steps: float, memory_s: float, corr: float, chain_delta: float,
                  delta_prior_sd: float, shift_z: float) -> None:
         self.arms = tuple(arms)
-        self.gamma_rs = _gamma(memory_request_steps)
-        self._gamma_steps = _gamma(memory_steps)
+        self.gamma_rs = discount(memory_request_steps)
+        self._gamma_steps = discount(memory_steps)
         self._memory_s, self._corr, self._shift_z = memory_s, corr, shift_z
         self._chain_delta, self._delta_prior_sd = chain_delta, delta_prior_sd
         # per arm k > 0: discounted accepted drafts and request-steps

@@ -17,7 +17,13 @@ from dataclasses import dataclass
 
 from policies._base import Observation
 
-__all__ = ["ArmStats", "forgetting", "reward"]
+__all__ = ["ArmStats", "discount", "forgetting", "reward"]
+
+
+def discount(memory: float) -> float:
+    """The factor one unit (a decode step, a request-step) ages counts by under a memory of
+    ``memory`` units; 1 for an infinite memory."""
+    return 1.0 if math.isinf(memory) else 1.0 - 1.0 / memory
 
 
 def forgetting(per_steps: float, busy_s: float, memory_s: float) -> float:

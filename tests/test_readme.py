@@ -4,6 +4,7 @@ that errors out at once; the README opens with the two commands and its links re
 
 from __future__ import annotations
 
+import functools
 import re
 import shlex
 from pathlib import Path
@@ -62,7 +63,8 @@ def test_the_readmes_links_resolve():
     assert not missing
 
 
-def _anchors(page: Path) -> set[str]:
+@functools.cache
+def _anchors(page: Path) -> frozenset[str]:
     """The anchors a Markdown renderer gives ``page``'s headings (GitHub's rule)."""
     out: set[str] = set()
     for title in re.findall(r"^#+ (.+)$", page.read_text(), re.MULTILINE):
@@ -71,7 +73,7 @@ def _anchors(page: Path) -> set[str]:
         while (anchor := slug if n == 0 else f"{slug}-{n}") in out:
             n += 1
         out.add(anchor)
-    return out
+    return frozenset(out)
 
 
 def test_links_between_the_pages_land_on_a_heading():
