@@ -58,8 +58,8 @@ Table = tuple[float, Any, tuple[int, ...]]
 class _ValueOracle(sr._TracingOracle):
     """The tracing step oracle, also keeping every step's expected goodput per arm."""
 
-    def step(self, rows: Any, n: int, pb: int, k: int, dt: float) -> None:
-        super().step(rows, n, pb, k, dt)
+    def step(self, rows: Any, n: int, pb: int, k: int, dt: float, band: int = 0) -> None:
+        super().step(rows, n, pb, k, dt, band)
         self.values.append(tuple(self._values))
 
 

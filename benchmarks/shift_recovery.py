@@ -292,8 +292,8 @@ def _mean(xs: Any) -> float:
 class _TracingOracle(StepOracle):
     """The step oracle, also keeping each step's best arm and the ratio of the arm run."""
 
-    def step(self, rows: Any, n: int, pb: int, k: int, dt: float) -> None:
-        super().step(rows, n, pb, k, dt)
+    def step(self, rows: Any, n: int, pb: int, k: int, dt: float, band: int = 0) -> None:
+        super().step(rows, n, pb, k, dt, band)
         values = self._values
         best = max(range(len(values)), key=lambda i: values[i])
         self.last = (n, k, self.arms[best], values[self._index[k]] / self._best, dt)

@@ -103,8 +103,8 @@ class _StepValues(StepOracle):
         super().__init__(*args, **kw)
         self.steps: list[tuple[float, list[float], int]] = []
 
-    def step(self, rows: Any, n: int, pb: int, k: int, dt: float) -> None:
-        super().step(rows, n, pb, k, dt)
+    def step(self, rows: Any, n: int, pb: int, k: int, dt: float, band: int = 0) -> None:
+        super().step(rows, n, pb, k, dt, band)
         self.steps.append((dt, list(self._values), self._index[k]))
 
 

@@ -150,12 +150,12 @@ def test_default_policies_include_sglangs_own_class_skipped_with_a_reason_withou
 
 def _tick(goodputs: dict[int, float], greedy: int, arms=(0, 1, 3)) -> bool:
     """One convergence tick of a bucket at one batch size; whether it counts as converged."""
-    from tuner.bench import _BucketTrack, _track
+    from tuner.bench_converge import BucketTrack
 
-    track = _BucketTrack()
-    _track(track, 0, [(4, 1.0)], ((None, greedy),), lambda b: b,
-           lambda b, k, mix, t: goodputs[k], lambda b, mix, t: max(goodputs.values()),
-           0.0, arms)
+    track = BucketTrack()
+    track.tick(0, [(4, 1.0)], ((None, greedy),), lambda b: b,
+               lambda b, k, mix, t: goodputs[k], lambda b, mix, t: max(goodputs.values()),
+               0.0, arms)
     return track.episode is not None and track.episode.good_since is not None
 
 
@@ -169,6 +169,33 @@ def test_convergence_counts_either_of_two_near_tied_arms():
     assert not _tick({0: 50.0, 1: 100.0, 3: 96.0}, greedy=3)
     # The third arm within 3 % of the second does not make it one of the two best.
     assert not _tick({0: 95.0, 1: 100.0, 3: 97.5}, greedy=0)
+
+
+def test_a_banded_decision_is_judged_on_the_steps_of_each_band():
+    from tuner.bench_converge import BucketTrack
+
+    # One batch size; the per-bucket oracle's arm is 1 (100 vs 90 vs 50 by expectation). The
+    # step oracle saw two bands: band 1 (low acceptance) where arm 0 pays most, band 2 (high)
+    # where arm 3 does; tokens per arm (0, 1, 3) on each band's steps.
+    arms = (0, 1, 3)
+    goodputs = {0: 50.0, 1: 100.0, 3: 90.0}
+    tokens = {4: {1: (40.0, 30.0, 10.0), 2: (10.0, 70.0, 90.0)}}
+
+    def judged(row: tuple[int, ...]) -> bool:
+        track = BucketTrack()
+        track.tick(0, [(4, 1.0)], ((None, row),), lambda b: b,
+                   lambda b, k, mix, t: goodputs[k], lambda b, mix, t: 100.0, 0.0, arms,
+                   tokens)
+        return track.episode is not None and track.episode.good_since is not None
+
+    # Arm 0 in band 1 and arm 3 in band 2 yield 40 + 90 = 130 tokens against arm 1's 100 on
+    # the same steps: converged, though its unknown band's arm alone (3, 90 %) is not.
+    assert judged((3, 0, 3))
+    assert not judged((3, 3, 3))
+    # The bands' arms swapped: 10 + 10 = 20 of 100, not converged, whatever the unknown band.
+    assert not judged((1, 3, 0))
+    # Arm 1 in every band is the per-bucket oracle's arm.
+    assert judged((1, 1, 1))
 
 
 def test_cli_bench_worlds_prints_each_world_and_the_worst_and_writes_json(tmp_path, capsys):

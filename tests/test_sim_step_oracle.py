@@ -95,9 +95,9 @@ def test_the_oracle_draws_nothing_so_a_run_is_the_same_with_it(monkeypatch):
     # The same run with the oracle's every call made twice: no draw, no state it changes.
     orig = StepOracle.step
 
-    def twice(self, rows, n, pb, k, dt):
-        orig(self, rows, n, pb, k, 0.0)
-        orig(self, rows, n, pb, k, dt)
+    def twice(self, rows, n, pb, k, dt, band=0):
+        orig(self, rows, n, pb, k, 0.0, band)
+        orig(self, rows, n, pb, k, dt, band)
 
     monkeypatch.setattr(StepOracle, "step", twice)
     assert run() == a

@@ -19,16 +19,18 @@ per-bucket oracle (:mod:`tuner.bench_step` says how the batches' luck cancels).
 Per run and load phase the bench reports: % of oracle (after warm-up and including it),
 tokens lost to exploration (time spent off the greedy arm, at the greedy arm's goodput minus
 the explored arm's), table switches, and p50/p99 time per output token of the requests that
-finished in the phase. Per bucket: the traffic seconds and decode steps until the greedy arm
-stayed within 2 % of the oracle — or, where the bucket's two best arms are within 3 % of each
-other, was either of them (counted again after each change of the workload's mix).
+finished in the phase. Per bucket: the traffic seconds and decode steps until the greedy
+decision stayed within 2 % of the oracle — or, where the bucket's two best arms are within 3 %
+of each other, ran only those (counted again after each change of the workload's mix;
+:mod:`tuner.bench_converge`).
 
 Generated worlds (:mod:`tuner.sim.worlds`) run through :func:`run_one`'s ``world`` argument;
 :mod:`tuner.bench_worlds` runs a range of them.
 
 The module is split along its seams — :mod:`tuner.bench_config` (defaults, policy specs,
-:class:`BenchConfig`), :mod:`tuner.bench_results` (the result records) and
-:mod:`tuner.bench_targets` (the targets) — and re-exports their public names.
+:class:`BenchConfig`), :mod:`tuner.bench_results` (the result records),
+:mod:`tuner.bench_converge` (the convergence measure), :mod:`tuner.bench_step` (step-level
+scoring) and :mod:`tuner.bench_targets` (the targets) — and re-exports their public names.
 
 Every run of a bench uses the same seed, so all policies see the same requests. Runs are
 independent and spread over ``jobs`` processes; the results do not depend on ``jobs``.
@@ -42,7 +44,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from policies import BasePolicy, Buckets, Observation, split_probes
@@ -62,10 +64,11 @@ from tuner.bench_config import (
     build_policy,
     parse_policy_spec,
 )
+from tuner.bench_converge import CONVERGE_TIE, CONVERGE_TOLERANCE, BucketTrack
 from tuner.bench_results import BenchResult, BucketConvergence, PhaseResult, RunResult
+from tuner.bench_step import BandFeed, StepScore, greedy_arms, single_arm_view
 from tuner.bench_targets import TARGETS, TargetCheck, check_targets, summarize_policies
 from tuner.plugin.core import PluginCore
-from tuner.bench_step import BandFeed, StepScore, greedy_arms, single_arm_view
 from tuner.protocol import (
     CounterRow,
     Table,
@@ -73,7 +76,6 @@ from tuner.protocol import (
     counter_deltas,
     encode_update,
     is_uniform,
-    lookup,
 )
 from tuner.sim._step_cost import MachineDrift
 from tuner.sim.engine import Engine
@@ -110,11 +112,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-# "Converged" = the greedy arm within 2 % of the oracle's goodput, or, where the bucket's two
-# best arms are within 3 % of each other, either of them (issue 13: a near tie is not a miss).
-CONVERGE_TOLERANCE = 0.02
-CONVERGE_TIE = 0.03
 
 
 # --- one run ------------------------------------------------------------------------------
@@ -187,23 +184,6 @@ class _PhaseAcc:
     emitted: int = 0
     explore_lost: float = 0.0
     switches: int = 0
-
-
-@dataclass
-class _Episode:
-    mix: int
-    start_ticks: int
-    start_steps: int
-    good_since: tuple[int, int] | None = None
-    occupancy: dict[int, float] = field(default_factory=dict)  # b -> decode busy seconds
-
-
-@dataclass
-class _BucketTrack:
-    ticks: int = 0
-    steps: int = 0
-    episode: _Episode | None = None
-    done: list[tuple[bool, int, int]] = field(default_factory=list)  # (converged, ticks, steps)
 
 
 def _load_phases(
@@ -316,7 +296,7 @@ def run_one(
     step_score = StepScore(engine.step_oracle.arms)
 
     accs = [_PhaseAcc(s, e, c) for s, e, c in phases]
-    tracks = [_BucketTrack() for _ in range(len(buckets))]
+    tracks = [BucketTrack() for _ in range(len(buckets))]
     version = 0
     switches = 0
     probing = False  # the last push sent probes
@@ -360,7 +340,8 @@ def run_one(
         mix = mix_at(mid)
         acc = next((a for a in accs if a.start <= mid < a.end), accs[-1])
         after_warmup = mid >= acc.start + warmup_s
-        step_score.read(engine.step_oracle.take(), lambda b, k: good(b, k, mix, mid))
+        sums = engine.step_oracle.take()
+        step_score.read(sums, lambda b, k: good(b, k, mix, mid))
         # A banded table's arm depends on the batch: scored on its steps (tuner.bench_step).
         banded = not is_uniform(core.band_table)
         acc.banded |= banded
@@ -398,12 +379,14 @@ def run_one(
         if pol is not None:
             for o in obs:
                 pol.update(o)
-            current = pol.greedy()
+            # A banded policy is judged on its banded decision (tuner.bench_converge).
+            current = feed.greedy() if feed.on else pol.greedy()
         else:
             current = observed_table()
         for j, seen in per_bucket.items():
-            _track(tracks[j], mix, seen, single_arm_view(current), engine.padded, good, best,
-                   mid, arms)
+            tracks[j].tick(mix, seen, current if feed.on else single_arm_view(current),
+                           engine.padded, good, best, mid, arms,
+                           {b: sums[b].band_tokens for b, _ in seen if b in sums})
         if pol is not None and t_next >= next_decision - 1e-9:
             next_decision += decision_period_s
             if push(feed.propose()):
@@ -414,20 +397,8 @@ def run_one(
             greedy_table = current
         t = t_next
 
-    conv = []
-    for j, track in enumerate(tracks):
-        _close(track)
-        if not track.done:
-            continue
-        done = [(t_, s_) for ok, t_, s_ in track.done if ok]
-        stuck = [t_ for ok, t_, _ in track.done if not ok]
-        conv.append(BucketConvergence(
-            bucket=buckets.label(j),
-            traffic_s=max((t_ for t_, _ in done), default=0) * interval_s,
-            steps=max((s_ for _, s_ in done), default=0),
-            unconverged_s=max(stuck, default=0) * interval_s,
-            episodes=len(track.done),
-        ))
+    conv = [c for j, track in enumerate(tracks)
+            if (c := track.result(buckets.label(j), interval_s)) is not None]
 
     results = []
     for i, a in enumerate(accs):
@@ -469,53 +440,6 @@ def _pct(got: float, best: float, banded: bool = False) -> float:
     # A table by batch size alone scores each (b, k) at most at the best arm's (the min is
     # for float rounding only); a banded table may beat the per-bucket oracle on its steps.
     return 100.0 * got / best if banded else min(100.0, 100.0 * got / best)
-
-
-def _track(
-    track: _BucketTrack, mix: int, seen: list[tuple[int, float]], table: Table,
-    padded: Callable[[int], int], good: Callable[[int, int, int, float], float],
-    best: Callable[[int, int, float], float], t: float, arms: Sequence[int],
-) -> None:
-    """One tick of a bucket's convergence bookkeeping."""
-    if track.episode is not None and track.episode.mix != mix:
-        _close(track)
-    if track.episode is None:
-        track.episode = _Episode(mix, track.ticks, track.steps)
-    # Judged over the bucket's traffic so far in the episode, so a few ticks of a load ramp
-    # through the bucket's edge do not outweigh the batch sizes it mostly runs.
-    occ = track.episode.occupancy
-    for b, busy in seen:
-        occ[b] = occ.get(b, 0.0) + busy
-    greedy = {b: lookup(table, padded(b)) for b in occ}
-    got = sum(busy * good(b, greedy[b], mix, t) for b, busy in occ.items())
-    top = sum(busy * best(b, mix, t) for b, busy in occ.items())
-    ok = top <= 0 or got >= (1 - CONVERGE_TOLERANCE) * top
-    if not ok and len(arms) > 1:
-        # The bucket's arms over its traffic; a near tie of the best two is either's win.
-        by_arm = sorted(
-            ((sum(busy * good(b, k, mix, t) for b, busy in occ.items()), k) for k in arms),
-            reverse=True,
-        )
-        (g1, k1), (g2, k2) = by_arm[0], by_arm[1]
-        ok = g2 >= (1 - CONVERGE_TIE) * g1 and set(greedy.values()) <= {k1, k2}
-    ep = track.episode
-    if ok and ep.good_since is None:
-        ep.good_since = (track.ticks, track.steps)
-    elif not ok:
-        ep.good_since = None
-    track.ticks += 1
-
-
-def _close(track: _BucketTrack) -> None:
-    ep = track.episode
-    if ep is None:
-        return
-    if ep.good_since is None:
-        track.done.append((False, track.ticks - ep.start_ticks, track.steps - ep.start_steps))
-    else:
-        track.done.append((True, ep.good_since[0] - ep.start_ticks,
-                           ep.good_since[1] - ep.start_steps))
-    track.episode = None
 
 
 # --- the whole bench ------------------------------------------------------------------------

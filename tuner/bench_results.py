@@ -17,8 +17,9 @@ __all__ = ["BenchResult", "BucketConvergence", "PhaseResult", "RunResult", "run_
 
 @dataclass(frozen=True)
 class BucketConvergence:
-    """How long a bucket took until its greedy arm stayed within 2 % of the oracle (or, when
-    its two best arms are within 3 % of each other, was one of them).
+    """How long a bucket took until its greedy decision stayed within 2 % of the oracle (or,
+    when its two best arms are within 3 % of each other, ran only those;
+    :mod:`tuner.bench_converge`).
 
     ``traffic_s`` counts interval ticks in which the bucket ran decode steps; ``steps`` its
     decode steps. Both are the worst over the bucket's converged episodes (a new episode

@@ -12,13 +12,14 @@ The engine calls :meth:`StepOracle.step` at every decode launch. The values of e
 the running batch are cached until a row changes (an admission, a finish, stale draft state,
 drift), so a step costs a comparison and an addition. Sums are kept per batch size and taken
 by the bench once per reading: busy seconds, and busy-weighted expected goodput of every arm,
-of the best arm per step, and of the arm that ran.
+of the best arm per step, and of the arm that ran; every arm's also per acceptance band the
+step was decided in, so that a banded table can be judged on steps it did not run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Protocol
 
 __all__ = ["StepOracle", "StepOracleSums"]
@@ -42,12 +43,15 @@ class StepOracleSums:
             step run that arm: expected tokens per busy second, times busy seconds.
         best_tokens: the same with each step's best arm (the per-step oracle).
         ran_tokens: the same with the arm each step ran.
+        band_tokens: ``arm_tokens`` split by the acceptance band each step's arm was looked
+            up in (0: unknown); what a banded table would have yielded on these steps.
     """
 
     busy_s: float
     arm_tokens: tuple[float, ...]
     best_tokens: float
     ran_tokens: float
+    band_tokens: Mapping[int, tuple[float, ...]] = field(default_factory=dict)
 
 
 class StepOracle:
@@ -68,6 +72,7 @@ class StepOracle:
         self._step_s = step_s
         self._inv_cost: dict[int, list[float]] = {}
         self._sums: dict[int, list[float]] = {}  # b -> [busy, arm tokens..., best, ran]
+        self._bands: dict[int, dict[int, list[float]]] = {}  # b -> band -> arm tokens
         # The batch being accumulated: its cache key, arm values and best, the arm it runs
         # and the busy seconds not yet added to the sums.
         self._key: tuple[int, int, int] | None = None
@@ -75,11 +80,12 @@ class StepOracle:
         self._best = 0.0
         self._b = 0
         self._k = -1
+        self._band = 0
         self._w = 0.0
 
-    def step(self, rows: _Rows, n: int, pb: int, k: int, dt: float) -> None:
+    def step(self, rows: _Rows, n: int, pb: int, k: int, dt: float, band: int = 0) -> None:
         """A decode step of the first ``n`` rows of ``rows``, padded to ``pb``, launched at
-        arm ``k`` and lasting ``dt`` seconds."""
+        arm ``k`` (looked up in acceptance band ``band``) and lasting ``dt`` seconds."""
         rows.sync(n)
         key = (n, pb, rows.version)
         if key != self._key:
@@ -93,9 +99,9 @@ class StepOracle:
             self._values = values = [(n + d) * c for d, c in zip(drafts, inv, strict=True)]
             self._best = max(values)
             self._b = n
-        elif k != self._k and self._w:
+        elif (k != self._k or band != self._band) and self._w:
             self._flush()
-        self._k = k
+        self._k, self._band = k, band
         self._w += dt
 
     def _flush(self) -> None:
@@ -108,13 +114,20 @@ class StepOracle:
             s[i] += w * v
         s[-2] += w * self._best
         s[-1] += w * self._values[self._index[self._k]]
+        per_band = self._bands.setdefault(self._b, {})
+        t = per_band.get(self._band)
+        if t is None:
+            t = per_band[self._band] = [0.0] * len(self.arms)
+        for i, v in enumerate(self._values):
+            t[i] += w * v
         self._w = 0.0
 
     def take(self) -> dict[int, StepOracleSums]:
         """The sums per batch size since the last call; they start again from zero."""
         if self._w:
             self._flush()
-        out = {b: StepOracleSums(s[0], tuple(s[1:-2]), s[-2], s[-1])
+        out = {b: StepOracleSums(s[0], tuple(s[1:-2]), s[-2], s[-1],
+                                 {band: tuple(t) for band, t in self._bands[b].items()})
                for b, s in self._sums.items()}
-        self._sums = {}
+        self._sums, self._bands = {}, {}
         return out

@@ -371,13 +371,14 @@ class Engine:
         n = len(self._running)
         pb = self._pad[n]
         k = self.core.steps_for_batch(pb)
+        band = self.core.acceptance.band  # the band the arm was looked up in
         dt = self._costs.step_s(n, pb, k)
         launch = self.now
         fi = self._forward_iter
         self._forward_iter = fi + 1
         self._flush()
         rows = self._rows
-        self.step_oracle.step(rows, n, pb, k, dt)
+        self.step_oracle.step(rows, n, pb, k, dt, band)
         full: float | None = 0
         rejected = 0
         if k > 0:
