@@ -14,7 +14,14 @@ a horizon, is followed instead of forced onto the default chain. One band's evid
 every bucket, as the policy's acceptance already does.
 
 A band's arm departs from its row's only on the row's greedy arm (an exploring row explores
-in every band), and by more than the switch margin. That holds where the row is off too: a
+in every band), by more than the switch margin, and only where the chain through the band's
+arms (fitted on all of them and the band's middle) agrees. A cell stands on its own mean once
+it holds :data:`_MIN_REQUEST_STEPS` request-steps, and under diverse traffic those are a
+handful of requests: a cell that read low or high by their luck would alone move the band off
+its row, and keep it off, since a band that departs no longer runs the row's arm. Where the
+row's arm is wrong for the band, its cells and its chain say so together, and it still
+departs (a row decides on the pooled acceptance, which carries the selection of the bands
+that ran each arm, so bands also mend rows). That holds where the row is off too: a
 band of high acceptance may draft in a row that does not. The protocol then wants the
 row's unknown band to draft (``ModelPolicy._banded`` gives it the shallowest arm a band
 drafts), so a stale estimate measures again instead of locking speculation off.
@@ -123,6 +130,7 @@ class BandBook:
         # per bucket: discounted decode steps in each known band, at any arm
         self._occ: dict[int, list[float]] = {}
         self._emitted: list[tuple[dict[int, float], float]] | None = None
+        self._chain: list[dict[int, float]] = []  # per band: emitted per arm by its chain
 
     @property
     def bands(self) -> int:
@@ -239,7 +247,9 @@ class BandBook:
             den += weight
         own = num / den  # the requests' own shape, shrunk towards the pooled δ
         self._shape = min(own, self.delta) if self._delta_measured else own
-        self._emitted = [self._fit(i) for i in range(self.bands)]
+        fits = [self._fit(i) for i in range(self.bands)]
+        self._emitted = [(em, total) for em, total, _ in fits]
+        self._chain = [chain for _, _, chain in fits]
 
     def emitted(self, band: int) -> tuple[dict[int, float], float]:
         """Mean emitted tokens per request-step per arm in ``band``, and the band's
@@ -249,7 +259,7 @@ class BandBook:
         assert self._emitted is not None
         return self._emitted[band - 1]
 
-    def _fit(self, i: int) -> tuple[dict[int, float], float]:
+    def _fit(self, i: int) -> tuple[dict[int, float], float, dict[int, float]]:
         per_arm = self._acc[i]
         seen = {k: (acc / rs, rs) for k, (acc, rs) in per_arm.items() if rs > 0}
         total = sum(rs for _, rs in seen.values())
@@ -263,12 +273,12 @@ class BandBook:
                   _PRIOR_REQUEST_STEPS / len(drafting)) for k in drafting]
         alpha, delta = fit_chain(drafting, [*prior, *((k, m, rs) for k, (m, rs) in seen.items())],
                                  self._shape, delta_sd=0)
-        out = {0: 1.0}
-        for k in per_arm:
-            m, rs = seen.get(k, (0.0, 0.0))
-            own = rs >= _MIN_REQUEST_STEPS
-            out[k] = 1.0 + (m if own else chain_accepted(alpha, delta, k))
-        return out, total
+        chain = {0: 1.0, **{k: 1.0 + chain_accepted(alpha, delta, k) for k in per_arm}}
+        out = dict(chain)
+        for k, (m, rs) in seen.items():
+            if rs >= _MIN_REQUEST_STEPS:
+                out[k] = 1.0 + m
+        return out, total, chain
 
     def arms_for(self, row_arm: int, log_t: Sequence[float], margin: float) -> tuple[int, ...]:
         """Each known band's arm in a bucket whose row runs ``row_arm`` (its greedy arm) and
@@ -276,9 +286,13 @@ class BandBook:
         out = []
         for band in range(1, self.bands + 1):
             em, _ = self.emitted(band)
+            chain = self._chain[band - 1]
             value = {k: math.log(em[k]) - lt for k, lt in zip(self.arms, log_t, strict=True)}
             best = max(self.arms, key=lambda k: (value[k], -k))
-            out.append(best if value[best] > value[row_arm] + margin else row_arm)
+            i, r = self.arms.index(best), self.arms.index(row_arm)
+            departs = (value[best] > value[row_arm] + margin
+                       and math.log(chain[best]) - log_t[i] > math.log(chain[row_arm]) - log_t[r])
+            out.append(best if departs else row_arm)
         return tuple(out)
 
 

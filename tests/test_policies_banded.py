@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import pytest
@@ -48,7 +49,7 @@ def test_a_band_of_high_acceptance_drafts_deeper_than_one_of_low():
     j = Buckets().index(1)
     row = p.greedy_arms()[j]
     assert row == 1
-    feed_band(p, 1, row, 0.1)  # requests that accept little: drafting does not pay
+    feed_band(p, 1, row, 0.1, n=4000)  # requests that accept little: drafting does not pay
     feed_band(p, 4, row, 0.95)  # requests that accept nearly all: the deepest arm pays
     table = p.greedy_bands()
     assert table is not None
@@ -73,6 +74,28 @@ def test_band_arms_stand_on_their_own_evidence_whatever_the_row_arm():
     off, on = book.arms_for(0, log_t, 0.0), book.arms_for(1, log_t, 0.0)
     assert off[0] == 0 and off[3] > 0  # the band of low acceptance stays off, the high drafts
     assert off[3] == on[3]  # the same evidence, the same arm, whatever the row runs
+
+
+def test_a_band_departs_from_its_row_only_where_its_chain_agrees_with_its_cells():
+    log_t = [0.0, 0.2, 0.55, 1.2]  # the row runs k = 3; k = 1 is its rival
+
+    def band_arm(accepted_k1: float, accepted_k3: float) -> tuple[float, int]:
+        book = BandBook(EDGES, ARMS, 0.973)
+        # Band 3: k = 1 measured long, and a cell of the row's arm just over the request-steps
+        # that let it stand on its own mean.
+        assert book.update(BandObservation(3, 1, 2000, 2000, round(accepted_k1 * 2000)), 1.0)
+        assert book.update(BandObservation(3, 3, 320, 320, round(accepted_k3 * 320)), 1.0)
+        em = book.emitted(3)[0]
+        own_gain = math.log(em[1]) - log_t[1] - (math.log(em[3]) - log_t[2])
+        return own_gain, book.arms_for(3, log_t, 0.01)[2]
+
+    # k = 1 accepts 78 % of its drafts, and the row's cell reads 1.2 of 3, far below the chain
+    # through that: its own cells alone put k = 1 ahead, the chain through both does not.
+    gain, arm = band_arm(0.78, 1.2)
+    assert gain > 0.1 and arm == 3
+    # k = 1 accepts half, and the row's cell reads as the chain through that: they agree.
+    gain, arm = band_arm(0.5, 0.86)
+    assert gain > 0.1 and arm == 1
 
 
 def test_a_band_takes_the_chain_shape_the_pooled_acceptance_fits():
