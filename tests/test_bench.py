@@ -179,7 +179,10 @@ def test_a_banded_decision_is_judged_on_the_steps_of_each_band():
     # where arm 3 does; tokens per arm (0, 1, 3) on each band's steps.
     arms = (0, 1, 3)
     goodputs = {0: 50.0, 1: 100.0, 3: 90.0}
-    tokens = {4: {1: (40.0, 30.0, 10.0), 2: (10.0, 70.0, 90.0)}}
+    # Steps in the estimate's unknown band (0) are left out: they say how stale the estimate
+    # went under the rows that ran, not how another row would fare; counted, they would sink
+    # every row below whose unknown band does not run arm 1.
+    tokens = {4: {0: (0.0, 500.0, 0.0), 1: (40.0, 30.0, 10.0), 2: (10.0, 70.0, 90.0)}}
 
     def judged(row: tuple[int, ...]) -> bool:
         track = BucketTrack()

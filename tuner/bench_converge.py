@@ -12,8 +12,9 @@ A decision by batch size alone is valued, as the phases are, at its arm's expect
 A banded one (an arm per acceptance band) is valued on the steps themselves, as
 :mod:`tuner.bench_step` scores a phase: at each batch size, what the row's arm of each band
 would have yielded on the steps decided in that band, against the per-bucket oracle's arm on
-the same steps. Judging only its band-agnostic arm (what a protocol v1 reader sees) would
-call a bucket unconverged whose steps beat the per-bucket oracle.
+the same steps, the steps of the estimate's unknown band left out (see ``_value``). Judging
+only its band-agnostic arm (what a protocol v1 reader sees) would call a bucket unconverged
+whose steps beat the per-bucket oracle.
 """
 
 from __future__ import annotations
@@ -107,13 +108,16 @@ class BucketTrack:
         at batch size ``b`` over the episode's steps."""
         if len(set(row)) == 1:
             return good(b, row[0], mix, t)
-        per_band = ep.bands.get(b)
+        # The known bands' steps only: the unknown band is a state of the estimate, not of
+        # the requests (nearly every step under a row that is off everywhere, nearly none
+        # under one that drafts), so its steps say nothing of how another row would fare.
+        known = {band: tokens for band, tokens in ep.bands.get(b, {}).items() if band > 0}
         values = [good(b, k, mix, t) for k in arms]
         ref = values.index(max(values))  # the per-bucket oracle's arm (its first best)
-        base = sum(tokens[ref] for tokens in per_band.values()) if per_band else 0.0
-        if base <= 0:  # no step of b seen by the step oracle yet: the unknown band's arm
+        base = sum(tokens[ref] for tokens in known.values())
+        if base <= 0:  # no known band's step of b seen yet: the unknown band's arm
             return values[arms.index(row[0])]
-        ran = sum(tokens[arms.index(row[band])] for band, tokens in per_band.items())
+        ran = sum(tokens[arms.index(row[band])] for band, tokens in known.items())
         return values[ref] * ran / base
 
     def close(self) -> None:
