@@ -129,8 +129,8 @@ class BandBook:
         self._delta_measured = True
         # per bucket: discounted decode steps in each known band, at any arm
         self._occ: dict[int, list[float]] = {}
-        self._emitted: list[tuple[dict[int, float], float]] | None = None
-        self._chain: list[dict[int, float]] = []  # per band: emitted per arm by its chain
+        # per band, fitted on demand: emitted per arm, request-steps, emitted per arm by chain
+        self._emitted: list[tuple[dict[int, float], float, dict[int, float]]] | None = None
 
     @property
     def bands(self) -> int:
@@ -247,9 +247,7 @@ class BandBook:
             den += weight
         own = num / den  # the requests' own shape, shrunk towards the pooled δ
         self._shape = min(own, self.delta) if self._delta_measured else own
-        fits = [self._fit(i) for i in range(self.bands)]
-        self._emitted = [(em, total) for em, total, _ in fits]
-        self._chain = [chain for _, _, chain in fits]
+        self._emitted = [self._fit(i) for i in range(self.bands)]
 
     def emitted(self, band: int) -> tuple[dict[int, float], float]:
         """Mean emitted tokens per request-step per arm in ``band``, and the band's
@@ -257,7 +255,8 @@ class BandBook:
         if self._emitted is None:
             self._refit()
         assert self._emitted is not None
-        return self._emitted[band - 1]
+        em, total, _ = self._emitted[band - 1]
+        return em, total
 
     def _fit(self, i: int) -> tuple[dict[int, float], float, dict[int, float]]:
         per_arm = self._acc[i]
@@ -283,15 +282,16 @@ class BandBook:
     def arms_for(self, row_arm: int, log_t: Sequence[float], margin: float) -> tuple[int, ...]:
         """Each known band's arm in a bucket whose row runs ``row_arm`` (its greedy arm) and
         whose mean log step time per arm is ``log_t``."""
+        if self._emitted is None:
+            self._refit()
+        assert self._emitted is not None
+        t = dict(zip(self.arms, log_t, strict=True))
         out = []
-        for band in range(1, self.bands + 1):
-            em, _ = self.emitted(band)
-            chain = self._chain[band - 1]
-            value = {k: math.log(em[k]) - lt for k, lt in zip(self.arms, log_t, strict=True)}
+        for em, _, chain in self._emitted:
+            value = {k: math.log(em[k]) - t[k] for k in self.arms}
             best = max(self.arms, key=lambda k: (value[k], -k))
-            i, r = self.arms.index(best), self.arms.index(row_arm)
             departs = (value[best] > value[row_arm] + margin
-                       and math.log(chain[best]) - log_t[i] > math.log(chain[row_arm]) - log_t[r])
+                       and math.log(chain[best]) - t[best] > math.log(chain[row_arm]) - t[row_arm])
             out.append(best if departs else row_arm)
         return tuple(out)
 

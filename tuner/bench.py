@@ -380,12 +380,11 @@ def run_one(
             for o in obs:
                 pol.update(o)
             # A banded policy is judged on its banded decision (tuner.bench_converge).
-            current = feed.greedy() if feed.on else pol.greedy()
+            current = feed.greedy() if feed.on else single_arm_view(pol.greedy())
         else:
             current = observed_table()
         for j, seen in per_bucket.items():
-            tracks[j].tick(mix, seen, current if feed.on else single_arm_view(current),
-                           engine.padded, good, best, mid, arms,
+            tracks[j].tick(mix, seen, current, engine.padded, good, best, mid, arms,
                            {b: sums[b].band_tokens for b, _ in seen if b in sums})
         if pol is not None and t_next >= next_decision - 1e-9:
             next_decision += decision_period_s

@@ -71,8 +71,9 @@ class StepOracle:
         self._index = {k: i for i, k in enumerate(self.arms)}
         self._step_s = step_s
         self._inv_cost: dict[int, list[float]] = {}
-        self._sums: dict[int, list[float]] = {}  # b -> [busy, arm tokens..., best, ran]
-        self._bands: dict[int, dict[int, list[float]]] = {}  # b -> band -> arm tokens
+        self._sums: dict[int, list[float]] = {}  # b -> [busy, best, ran]
+        # b -> band -> arm tokens (summed over bands at take(): the arm tokens of b)
+        self._bands: dict[int, dict[int, list[float]]] = {}
         # The batch being accumulated: its cache key, arm values and best, the arm it runs
         # and the busy seconds not yet added to the sums.
         self._key: tuple[int, int, int] | None = None
@@ -108,12 +109,10 @@ class StepOracle:
         w = self._w
         s = self._sums.get(self._b)
         if s is None:
-            s = self._sums[self._b] = [0.0] * (len(self.arms) + 3)
+            s = self._sums[self._b] = [0.0, 0.0, 0.0]
         s[0] += w
-        for i, v in enumerate(self._values, 1):
-            s[i] += w * v
-        s[-2] += w * self._best
-        s[-1] += w * self._values[self._index[self._k]]
+        s[1] += w * self._best
+        s[2] += w * self._values[self._index[self._k]]
         per_band = self._bands.setdefault(self._b, {})
         t = per_band.get(self._band)
         if t is None:
@@ -126,8 +125,10 @@ class StepOracle:
         """The sums per batch size since the last call; they start again from zero."""
         if self._w:
             self._flush()
-        out = {b: StepOracleSums(s[0], tuple(s[1:-2]), s[-2], s[-1],
-                                 {band: tuple(t) for band, t in self._bands[b].items()})
-               for b, s in self._sums.items()}
+        out = {}
+        for b, (busy, best, ran) in self._sums.items():
+            bands = {band: tuple(t) for band, t in self._bands[b].items()}
+            out[b] = StepOracleSums(busy, tuple(map(sum, zip(*bands.values(), strict=True))),
+                                    best, ran, bands)
         self._sums, self._bands = {}, {}
         return out
