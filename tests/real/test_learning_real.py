@@ -28,7 +28,7 @@ from _drive import Load, Tuner, counters, push, tuner_args
 from _paired import Tally, arm_figures, compare, log_ratio, round_order, settled
 from _server import ARMS, acceptance_threshold, http, readout, wait_for
 
-from tuner.protocol import counter_deltas
+from tuner.protocol import DynspecState, band_counter_deltas, class_range, counter_deltas
 
 ALPHAS = (0.8, 0.25)  # the second is set at run time, with the daemon running
 LEVELS = {1: 1, 4: 4}  # concurrency -> the bucket it fills (batch sizes 1, and 3-4)
@@ -176,15 +176,35 @@ def chosen_arm(table, b: int) -> int:
     return next(k for bound, k in table if bound is None or b <= bound)
 
 
-def effective_table(greedy, dynspec: dict) -> list[tuple[int | None, int]]:
+def band_steps(url: str, turns: range) -> dict[int, dict[int, int]]:
+    """Runs ``daemon_phase(url, turns)``; returns bucket -> band -> the decode steps the
+    server ran in that bucket and band meanwhile (from the plugin's band counters)."""
+    before = DynspecState.from_json(readout(url)).bands
+    daemon_phase(url, turns)
+    deltas = band_counter_deltas(before, DynspecState.from_json(readout(url)).bands) or ()
+    steps: dict[int, dict[int, int]] = {}
+    for d in deltas:
+        high = class_range(d.cls)[1]
+        if high is not None and high <= EDGES[-1]:
+            per_band = steps.setdefault(bucket_of(high), {})
+            per_band[d.band] = per_band.get(d.band, 0) + d.decode_steps
+    return steps
+
+
+def effective_table(greedy, dynspec: dict, steps: dict[int, dict[int, int]]
+                    ) -> list[tuple[int | None, int]]:
     """The arm the learned table gives each bucket the load fills at the server's live
     acceptance: the greedy row's arm, or, where the server runs that row with an arm per
-    acceptance band (protocol v2), the arm of the band its estimate is in."""
-    band = (dynspec.get("acceptance") or [0])[0]
+    acceptance band (protocol v2), the arm of the band that held most of the bucket's steps
+    in its last turn (``steps``). The band of the estimate at the moment of the readout is
+    one sample of that: in a CI run it sat in band 4 (k = 3) of a row whose steps ran
+    mostly at k = 1, and judged an arm the bucket hardly ran."""
     rows = []
     for bk in sorted(set(LEVELS.values())):
         k = chosen_arm(greedy, bk)
         applied = next(r for r in dynspec["table"] if r[0] is None or bk <= r[0])
+        per_band = steps.get(bk) or {(dynspec.get("acceptance") or [0])[0]: 1}
+        band = max(per_band, key=per_band.get)
         if band and len(applied) > 2 and applied[1] == k:
             k = applied[1 + band]
         rows.append((bk, k))
@@ -246,9 +266,9 @@ def describe(r: dict) -> str:
             f" {c['gap']:+.1%} ({c['verdict']})")
 
 
-def daemon_phase(url: str, turns: int) -> None:
+def daemon_phase(url: str, turns: range) -> None:
     """Traffic for the daemon: the levels take turns of PHASE_S."""
-    for turn in range(turns):
+    for turn in turns:
         level = list(LEVELS)[turn % len(LEVELS)]
         with Load(url, level, seed=10 + level):
             time.sleep(PHASE_S)  # the real server runs in real time
@@ -280,16 +300,18 @@ def test_the_learned_table_matches_the_measured_best_arm(plugin_server, workdir,
     measured = {ALPHAS[0]: measure_arms(learn_server, workdir, "measure-before")}
     log_path = workdir / "daemon-learning.log"
     args = daemon_args(learn_server, workdir / "learning.db")
-    tables, settled = {}, None
+    tables, seen, settled = {}, {}, None
     with Tuner(args, log_path) as tuner:
         for i, alpha in enumerate(ALPHAS):
             if i:
                 set_alpha(url, alpha)  # at run time: the daemon must follow
                 switched = datetime.now().strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
-            daemon_phase(url, TURNS[alpha])
+            last = TURNS[alpha] - len(LEVELS)  # each level's last turn: where bands are read
+            daemon_phase(url, range(last))
+            steps = seen[alpha] = band_steps(url, range(last, TURNS[alpha]))
             mark = len(tuner.log())  # the table of a status line from after the traffic
             wait_for(lambda: _GREEDY.findall(tuner.log()[mark:]), 60, "a status line")
-            tables[alpha] = effective_table(greedy_table(tuner.log()), readout(url))
+            tables[alpha] = effective_table(greedy_table(tuner.log()), readout(url), steps)
         settled = settled_after(tuner.log(), switched)
     measured[ALPHAS[1]] = measure_arms(learn_server, workdir, "measure-after")
     # The first level is measured again on the far side of the daemon's run and judged by
@@ -302,7 +324,8 @@ def test_the_learned_table_matches_the_measured_best_arm(plugin_server, workdir,
     failures, known = [], []
     for alpha in ALPHAS:
         rows = judge(measured[alpha], tables[alpha])
-        results[str(alpha)] = {"learned_table": tables[alpha], "compared": rows}
+        results[str(alpha)] = {"learned_table": tables[alpha], "compared": rows,
+                                "band_steps_last_turn": seen[alpha]}
         print(f"\nalpha {alpha}: learned {tables[alpha]}")
         for r in rows:
             print(describe(r))
