@@ -230,8 +230,7 @@ class BandBook:
         makes the band's deeper arms look worse than the one it runs, so it never runs them,
         the pooled fit never sees a second depth, and the bound stays.
         """
-        if self._emitted is None:
-            self._refit()
+        self._fits()
         return self._shape
 
     def _refit(self) -> None:
@@ -249,13 +248,17 @@ class BandBook:
         self._shape = min(own, self.delta) if self._delta_measured else own
         self._emitted = [self._fit(i) for i in range(self.bands)]
 
-    def emitted(self, band: int) -> tuple[dict[int, float], float]:
-        """Mean emitted tokens per request-step per arm in ``band``, and the band's
-        request-steps of evidence."""
+    def _fits(self) -> list[tuple[dict[int, float], float, dict[int, float]]]:
+        """Every band's fit (:meth:`_fit`), refitted if evidence came in since the last."""
         if self._emitted is None:
             self._refit()
         assert self._emitted is not None
-        em, total, _ = self._emitted[band - 1]
+        return self._emitted
+
+    def emitted(self, band: int) -> tuple[dict[int, float], float]:
+        """Mean emitted tokens per request-step per arm in ``band``, and the band's
+        request-steps of evidence."""
+        em, total, _ = self._fits()[band - 1]
         return em, total
 
     def _fit(self, i: int) -> tuple[dict[int, float], float, dict[int, float]]:
@@ -282,12 +285,9 @@ class BandBook:
     def arms_for(self, row_arm: int, log_t: Sequence[float], margin: float) -> tuple[int, ...]:
         """Each known band's arm in a bucket whose row runs ``row_arm`` (its greedy arm) and
         whose mean log step time per arm is ``log_t``."""
-        if self._emitted is None:
-            self._refit()
-        assert self._emitted is not None
         t = dict(zip(self.arms, log_t, strict=True))
         out = []
-        for em, _, chain in self._emitted:
+        for em, _, chain in self._fits():
             value = {k: math.log(em[k]) - t[k] for k in self.arms}
             best = max(self.arms, key=lambda k: (value[k], -k))
             departs = (value[best] > value[row_arm] + margin

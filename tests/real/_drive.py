@@ -153,8 +153,13 @@ def run_client(args: list[str], timeout: float = 600) -> subprocess.CompletedPro
     return done
 
 
+def state(url: str, key: str | None = None) -> DynspecState:
+    """The server's ``dynspec`` readout, decoded."""
+    return DynspecState.from_json(readout(url, key))
+
+
 def counters(url: str, key: str | None = None) -> tuple[CounterRow, ...]:
-    return DynspecState.from_json(readout(url, key)).counters
+    return state(url, key).counters
 
 
 def push(url: str, table, version: int, key: str | None = None) -> tuple[int, object]:

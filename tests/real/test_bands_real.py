@@ -19,10 +19,10 @@ import json
 import time
 from collections import Counter
 
-from _drive import Load, push, set_acceptance
+from _drive import Load, push, set_acceptance, state
 from _server import generate, readout, wait_for
 
-from tuner.protocol import BAND_EDGES, DynspecState, band_counter_deltas, class_range
+from tuner.protocol import BAND_EDGES, band_counter_deltas, class_range
 
 # Unknown band, then bands 1..4 (alpha < 0.55, 0.55-0.70, 0.70-0.85, >= 0.85).
 KS = (3, 1, 1, 3, 3)
@@ -43,10 +43,6 @@ def settle(url: str) -> None:
     """A prefill-only request: commits the decode step still pending (the plugin counts a step
     when the next forward launches), so each phase's counters hold its own steps only."""
     generate(url, 1, max_new_tokens=1, seed=99)
-
-
-def state(url: str) -> DynspecState:
-    return DynspecState.from_json(readout(url))
 
 
 def steps_since(url: str, before) -> int:

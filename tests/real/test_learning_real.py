@@ -24,11 +24,11 @@ import time
 from bisect import bisect_left
 from datetime import datetime
 
-from _drive import Load, Tuner, counters, push, tuner_args
+from _drive import Load, Tuner, counters, push, state, tuner_args
 from _paired import Tally, arm_figures, compare, log_ratio, round_order, settled
 from _server import ARMS, acceptance_threshold, http, readout, wait_for
 
-from tuner.protocol import DynspecState, band_counter_deltas, class_range, counter_deltas
+from tuner.protocol import band_counter_deltas, class_range, counter_deltas
 
 ALPHAS = (0.8, 0.25)  # the second is set at run time, with the daemon running
 LEVELS = {1: 1, 4: 4}  # concurrency -> the bucket it fills (batch sizes 1, and 3-4)
@@ -179,9 +179,9 @@ def chosen_arm(table, b: int) -> int:
 def band_steps(url: str, turns: range) -> dict[int, dict[int, int]]:
     """Runs ``daemon_phase(url, turns)``; returns bucket -> band -> the decode steps the
     server ran in that bucket and band meanwhile (from the plugin's band counters)."""
-    before = DynspecState.from_json(readout(url)).bands
+    before = state(url).bands
     daemon_phase(url, turns)
-    deltas = band_counter_deltas(before, DynspecState.from_json(readout(url)).bands) or ()
+    deltas = band_counter_deltas(before, state(url).bands) or ()
     steps: dict[int, dict[int, int]] = {}
     for d in deltas:
         high = class_range(d.cls)[1]
