@@ -7,7 +7,8 @@ its loss, in points of the phase, by the arm each decode step ran:
 
 - **greedy**: the bucket's greedy arm (the policy's best guess was wrong, or near-tied);
 - **band**: a band's own arm in a row that runs its greedy arm (the banded refinement);
-- **explore**: a row that explores (every band on one arm that is not the greedy one).
+- **explore**: a row that explores (every band on one arm that is not the greedy one), or an
+  update's exploring probe (an arm in none of the row's bands: probes run outside the table).
 
 A step's loss is scored as the bench scores it: under a table by batch size alone, its busy
 time times the per-bucket oracle's expected goodput at its batch size less that of its arm
@@ -79,10 +80,13 @@ class PhaseLoss(NamedTuple):
 
 def kind_of(k: int, greedy: int, row: Sequence[int]) -> str:
     """Why arm ``k`` ran under ``row`` (unknown band's arm, then each band's) when the
-    bucket's greedy arm was ``greedy``: an exploring row runs one other arm in every band."""
+    bucket's greedy arm was ``greedy``: an exploring row runs one other arm in every band, and
+    an arm in none of the row's bands is an update's exploring probe (a range of batch sizes
+    on one arm for a few steps, ``policies._probes``, outside the table), bar a step launched
+    as the table changed."""
     if k == greedy:
         return "greedy"
-    if len(set(row)) == 1 and row[0] != greedy:
+    if k not in row or (len(set(row)) == 1 and row[0] != greedy):
         return "explore"
     return "band"
 

@@ -31,13 +31,16 @@ def test_an_arm_is_greedy_a_band_s_or_an_exploring_row_s(pl) -> None:  # type: i
     # a row that is off lets a band draft (its unknown band drafts too): not exploring
     assert pl.kind_of(1, 0, (1, 0, 0, 1, 1)) == "band"
     assert pl.kind_of(1, 3, (1, 1, 1, 1, 1)) == "explore"
+    # an arm in none of the row's bands: an update's exploring probe, outside the table
+    assert pl.kind_of(7, 0, (0, 0, 0, 0, 0)) == "explore"
+    assert pl.kind_of(7, 0, (1, 0, 0, 1, 5)) == "explore"
 
 
 def test_the_split_adds_up_to_the_phase_shortfall_and_follows_the_tables(pl) -> None:  # type: ignore[no-untyped-def]
     tables = [
-        (0.0, ((4, (3, 3, 3, 3, 3)), (None, (1, 1, 3, 3, 3))), (3, 1)),
+        (0.0, ((4, (3, 1, 3, 3, 3)), (None, (1, 1, 3, 3, 3))), (3, 1)),
         # from t = 10 the big bucket explores k = 0 in every band
-        (10.0, ((4, (3, 3, 3, 3, 3)), (None, (0, 0, 0, 0, 0))), (3, 1)),
+        (10.0, ((4, (3, 1, 3, 3, 3)), (None, (0, 0, 0, 0, 0))), (3, 1)),
     ]
     trace = [
         step(-1.0, 1, 0),  # before the phase: not counted
@@ -46,16 +49,17 @@ def test_the_split_adds_up_to_the_phase_shortfall_and_follows_the_tables(pl) -> 
         step(3.0, 8, 3),  # the big bucket's greedy arm 1: band 3 runs 3 -> 'band'
         step(4.0, 8, 1, dt=2.0),  # greedy, best
         step(11.0, 8, 0),  # the exploring row
+        step(12.0, 1, 0),  # an arm in none of the row's bands: an exploring probe
         step(20.0, 1, 0),  # after the phase: not counted
     ]
     loss = pl.split_phase(trace, tables, 0.0, 20.0, good, ARMS, lambda b: 0 if b <= 4 else 1)
-    best = 100 + 100 + 400 + 800 + 400
+    best = 100 + 100 + 400 + 800 + 400 + 100
     assert loss.points["greedy"] == 0.0
     assert loss.points["band"] == pytest.approx(100 * (20 + 50) / best)
-    assert loss.points["explore"] == pytest.approx(100 * 100 / best)
-    got = 100 + 80 + 350 + 800 + 300
+    assert loss.points["explore"] == pytest.approx(100 * (100 + 50) / best)
+    got = 100 + 80 + 350 + 800 + 300 + 50
     assert sum(loss.points.values()) == pytest.approx(100 * (1 - got / best))
-    assert loss.busy == {1: {3: 1.0, 1: 1.0}, 8: {3: 1.0, 1: 2.0, 0: 1.0}}
+    assert loss.busy == {1: {3: 1.0, 1: 1.0, 0: 1.0}, 8: {3: 1.0, 1: 2.0, 0: 1.0}}
 
 
 def test_a_wrong_greedy_arm_is_the_greedy_share(pl) -> None:  # type: ignore[no-untyped-def]
