@@ -23,6 +23,7 @@ arm's expected goodput relative to the best and the busy seconds it ran.
     .venv/bin/python benchmarks/phase_loss.py --worlds 0-49 --seed 0
     .venv/bin/python benchmarks/phase_loss.py --worlds 1-1 --seed 0 --below 101   # every phase
     .venv/bin/python benchmarks/phase_loss.py --worlds 32,32 --seed 0 --policy-seed 1000
+    .venv/bin/python benchmarks/phase_loss.py --profiles seed-kimi-pcie --workloads hard --below 99
 """
 
 from __future__ import annotations
@@ -43,10 +44,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import shift_recovery as sr
 
 from tuner import bench
+from tuner.bench_config import DEFAULT_BENCH_LOAD, DEFAULT_BENCH_WORKLOADS
 from tuner.bench_worlds import DEFAULT_WORLD_LOAD
 from tuner.errors import ConfigError
 from tuner.protocol import is_uniform
 from tuner.sim.oracle import expected_goodput
+from tuner.sim.profiles import load_profile
 from tuner.sim.worlds import make_world, parse_world_range
 
 KINDS = ("greedy", "band", "explore")
@@ -130,19 +133,27 @@ def split_phase(trace: Sequence[Step], tables: Sequence[Table], lo: float, hi: f
 
 
 def run_world(job: dict[str, Any]) -> list[str]:
-    """Lines for one world's phases below the threshold."""
-    world = make_world(job["world"], job["world_seed"])
+    """Lines for one world's (or, with ``job["profile"]``, one shipped profile and
+    workload's) phases below the threshold."""
+    world = None if "profile" in job else make_world(job["world"], job["world_seed"])
     sr._band_emitted = lambda pol: pol.greedy_arms()  # each table's greedy arms, per bucket
     with mock.patch.object(bench, "Engine", _Engine), \
             mock.patch.object(bench, "build_policy", sr._capture_policy):
-        res = bench.run_one(profile=world.name, workload="generated", load=job["load"],
+        res = bench.run_one(profile=job["profile"] if world is None else world.name,
+                            workload=job.get("workload", "generated"), load=job["load"],
                             policy="model", seed=job["seed"], policy_seed=job["policy_seed"],
                             world=world,
                             warmup_s=job["warmup_s"])
     eng, pol = sr._TracingEngine.last, sr._TracingEngine.policy
     assert isinstance(eng, _Engine) and pol is not None
     assert len(eng.step_oracle.values) == len(eng.trace)  # one oracle step per decode step
-    prof, wl = world.profile(), world.workload(res.phases[-1].end_s)
+    if world is None:
+        name = f"{job['profile']} {job['workload']}"
+        prof = load_profile(job["profile"])
+        wl = bench._workload_for(job["workload"], res.phases[-1].end_s)
+    else:
+        name = f"world-{job['world']}"
+        prof, wl = world.profile(), world.workload(res.phases[-1].end_s)
     mixes = list(wl.phases)
     cache: dict[tuple[int, int, int], float] = {}
 
@@ -161,7 +172,7 @@ def run_world(job: dict[str, Any]) -> list[str]:
         loss = split_phase(eng.trace, eng.tables, lo, ph.end_s, good, eng.arms,
                            pol.buckets.index, eng.step_oracle.values)
         split = " ".join(f"{kind} {loss.points[kind]:.2f}" for kind in KINDS)
-        lines.append(f"world-{job['world']} seed {job['seed']} phase {i} c={ph.concurrency}: "
+        lines.append(f"{name} seed {job['seed']} phase {i} c={ph.concurrency}: "
                      f"{ph.pct_oracle:.1f} %  lost: {split}")
 
         def lost_at(b: int, t: float = lo, busy: dict[int, dict[int, float]] = loss.busy
@@ -187,20 +198,32 @@ def main(argv: list[str] | None = None) -> int:
 
     ap.add_argument("--worlds", type=worlds, default="0-49",
                     help="as bench's: N (worlds 0..N-1), A-B, or a list '3,7,10-12' (default 0-49)")
+    ap.add_argument("--profiles", default=None,
+                    help="shipped cost profiles (comma-separated) instead of generated worlds, "
+                         "each run with every --workloads preset on the full bench's load")
+    ap.add_argument("--workloads", default=",".join(DEFAULT_BENCH_WORKLOADS),
+                    help="with --profiles: workload presets (default: the full bench's)")
     ap.add_argument("--world-seed", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policy-seed", type=int, default=None,
                     help="as bench's: the policy's own random choices (default: --seed)")
-    ap.add_argument("--load", default=DEFAULT_WORLD_LOAD)
+    ap.add_argument("--load", default=None,
+                    help="load schedule (default: the world bench's, or with --profiles the "
+                         "full bench's)")
     ap.add_argument("--warmup", type=float, default=30.0, help="seconds left out per phase")
     ap.add_argument("--below", type=float, default=98.0,
                     help="phases below this %% of the oracle are split")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     a = ap.parse_args(argv)
-    jobs = [{"world": w, "world_seed": a.world_seed, "seed": a.seed,
-             "policy_seed": a.policy_seed, "load": a.load,
-             "warmup_s": a.warmup, "below": a.below} for w in a.worlds]
-    print(f"{len(jobs)} worlds on {a.jobs} workers ...", file=sys.stderr)
+    common = {"seed": a.seed, "policy_seed": a.policy_seed, "warmup_s": a.warmup,
+              "below": a.below}
+    if a.profiles:
+        jobs = [{**common, "profile": p, "workload": w, "load": a.load or DEFAULT_BENCH_LOAD}
+                for p in a.profiles.split(",") for w in a.workloads.split(",")]
+    else:
+        jobs = [{**common, "world": w, "world_seed": a.world_seed,
+                 "load": a.load or DEFAULT_WORLD_LOAD} for w in a.worlds]
+    print(f"{len(jobs)} runs on {a.jobs} workers ...", file=sys.stderr)
     with ProcessPoolExecutor(a.jobs) as pool:
         for lines in pool.map(run_world, jobs):
             for line in lines:

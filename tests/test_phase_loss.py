@@ -81,3 +81,13 @@ def test_a_banded_table_s_steps_are_scored_on_their_own_requests(pl) -> None:  #
     # without the step values the same steps count at the workload's expectation
     plain = pl.split_phase(trace, tables, 0.0, 2.0, good, ARMS, lambda b: 0)
     assert plain.points["band"] == pytest.approx(100 * 2 * 20 / 200)
+
+
+def test_a_shipped_profile_s_phases_are_split_as_a_world_s(pl) -> None:  # type: ignore[no-untyped-def]
+    lines = pl.run_world({"profile": "h100-llama8b", "workload": "chat", "load": "40:1,40:4",
+                          "seed": 0, "policy_seed": 0, "warmup_s": 30.0, "below": 1000.0})
+    heads = [line for line in lines if not line.startswith(" ")]
+    assert [h.split(":")[0] for h in heads] == ["h100-llama8b chat seed 0 phase 0 c=1",
+                                                "h100-llama8b chat seed 0 phase 1 c=4"]
+    assert all("greedy" in h and "band" in h and "explore" in h for h in heads)
+
