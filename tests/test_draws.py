@@ -49,6 +49,13 @@ def test_a_profiles_draw_counts_phases_behind_the_better_of_both_bandits(dr: Mod
     s = dr.score(doc)
     assert s["behind"] == 2 and s["below"] == 1
     assert s["worst"] == (97.0, "h200 chat")
+    # ... and including warm-up, where the bandits explore every arm of a new bucket
+    for r, all_ in zip(doc["runs"], ([97.0, 98.0, 96.0], [92.0, 95.0, 96.5], [96.0, 99.5, 97.0],
+                                      [100.0, 100.0, 100.0]), strict=True):
+        for ph, p in zip(r["phases"], all_, strict=True):
+            ph["pct_oracle_all"] = p
+    s = dr.score(doc)
+    assert (s["behind"], s["behind_all"]) == (2, 1)  # phase 1: ucb 1.5 ahead
 
 
 def test_the_base_draws_pair_with_the_new_ones_and_totals_stand_side_by_side(
