@@ -64,22 +64,28 @@ def score(doc: dict[str, Any], policy: str = DEFAULT_POLICY) -> dict[str, Any]:
         if bad:
             out["low"].append((name, ps))
     out.update(ok=ok, below=below, shortfall=short, floor=floor, worst=worst)
-    if "worlds" not in doc:  # shipped profiles: against the better bandit, phase by phase
+    if "worlds" not in doc:  # shipped profiles: against the better bandit, phase by phase,
         # after warm-up (the issue's measure) and including it (where the bandits explore:
         # every arm while a bucket is new)
-        for key, field in (("pct_oracle", "behind"), ("pct_oracle_all", "behind_all")):
-            bandits: dict[tuple[str, str], list[list[float]]] = {}
-            for r in doc["runs"]:
-                if r["policy"] in BANDITS:
-                    bandits.setdefault((r["profile"], r["workload"]), []).append(phases(r, key))
-            behind = 0
-            for r in runs:
-                others = bandits.get((r["profile"], r["workload"]), [])
-                for i, p in enumerate(phases(r, key)):
-                    best = max((o[i] for o in others if i < len(o)), default=-math.inf)
-                    behind += best - p > BANDIT_MARGIN
-            out[field] = behind
+        out["behind"] = behind(doc, runs, "pct_oracle")
+        out["behind_all"] = behind(doc, runs, "pct_oracle_all")
     return out
+
+
+def behind(doc: dict[str, Any], runs: Sequence[dict[str, Any]], key: str) -> int:
+    """Phases of ``runs`` more than :data:`BANDIT_MARGIN` below the better bandit's, by
+    ``key`` (see :func:`phases`)."""
+    bandits: dict[tuple[str, str], list[list[float]]] = {}
+    for r in doc["runs"]:
+        if r["policy"] in BANDITS:
+            bandits.setdefault((r["profile"], r["workload"]), []).append(phases(r, key))
+    count = 0
+    for r in runs:
+        others = bandits.get((r["profile"], r["workload"]), [])
+        for i, p in enumerate(phases(r, key)):
+            best = max((o[i] for o in others if i < len(o)), default=-math.inf)
+            count += best - p > BANDIT_MARGIN
+    return count
 
 
 def row(ps: Sequence[float]) -> str:

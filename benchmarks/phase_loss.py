@@ -49,7 +49,6 @@ from tuner.bench_worlds import DEFAULT_WORLD_LOAD
 from tuner.errors import ConfigError
 from tuner.protocol import is_uniform
 from tuner.sim.oracle import expected_goodput
-from tuner.sim.profiles import load_profile
 from tuner.sim.worlds import make_world, parse_world_range
 
 KINDS = ("greedy", "band", "explore")
@@ -147,13 +146,10 @@ def run_world(job: dict[str, Any]) -> list[str]:
     eng, pol = sr._TracingEngine.last, sr._TracingEngine.policy
     assert isinstance(eng, _Engine) and pol is not None
     assert len(eng.step_oracle.values) == len(eng.trace)  # one oracle step per decode step
-    if world is None:
-        name = f"{job['profile']} {job['workload']}"
-        prof = load_profile(job["profile"])
-        wl = bench._workload_for(job["workload"], res.phases[-1].end_s)
-    else:
-        name = f"world-{job['world']}"
-        prof, wl = world.profile(), world.workload(res.phases[-1].end_s)
+    # the cost profile and traffic the run had (a world's, or a preset's as the bench
+    # rewrites it, `shift` over the run's length)
+    prof, wl = eng.profile, eng.workload
+    name = f"{job['profile']} {job['workload']}" if world is None else f"world-{job['world']}"
     mixes = list(wl.phases)
     cache: dict[tuple[int, int, int], float] = {}
 
