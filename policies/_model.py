@@ -239,6 +239,22 @@ class ModelPolicy(LearningPolicy):
         self._band_busy = 0.0
         return True
 
+    def update_depths(self, k: int, counts: Sequence[int], every: int = 1) -> bool:
+        """Feed how many drafts the requests of chain steps at arm ``k`` accepted
+        (``counts[a]`` requests accepted ``a``, ``a = 0..k``): what every shallower arm would
+        have accepted on them. ``every``: the counts sample one decode step in this many, so
+        a counted request-step stands for that many of a contiguous run (up to the
+        request-steps per independent sample, ``acceptance_corr``). False (nothing changed)
+        if malformed."""
+        if (isinstance(k, bool) or not isinstance(k, int) or k < 2 or len(counts) != k + 1
+                or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts)
+                or not any(counts) or not 1 <= every < math.inf):
+            return False
+        self._pooled.add_depths(k, counts, min(float(every), self.params.acceptance_corr))
+        self._pred = None
+        self._comp = None
+        return True
+
     def propose_bands(self) -> BandTable | None:
         """:meth:`propose`, with an arm per band wherever a row runs its greedy arm (None,
         having proposed nothing, if bands are not set)."""

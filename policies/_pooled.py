@@ -1,7 +1,8 @@
 """The model policy's pooled acceptance: one estimate for the whole server.
 
 Acceptance is a property of the requests, not of the batch size, so every bucket's drafting
-feeds one count per arm ``k > 0``: the discounted accepted drafts and request-steps. A copy
+feeds one count per arm ``k > 0``: the discounted accepted drafts and request-steps, and, where
+the plugin counts how many drafts each request accepted, those of every shallower arm. A copy
 with a short memory watches for a workload shift (detect and restart), and a chain model
 (``P(A ≥ i) = α^i δ^(i(i−1)/2)``) fitted to the per-arm means gives the arms never run.
 How the means become per-arm predictions is the policy's (``ModelPolicy._acceptance``).
@@ -53,6 +54,10 @@ class PooledAcceptance:
         # The same with a short memory: when it disagrees clearly with the long one, the
         # workload changed, and the long memory restarts from it (detect and restart).
         self._fast = {k: [0.0, 0.0] for k in self.arms if k > 0}
+        # The same read off deeper drafts: a chain's first k drafts are the same whatever its
+        # depth, so a step at arm k' > k tells what k would have accepted on its requests
+        # (how many drafts each accepted, counted by the plugin: add_depths).
+        self._prefix = {k: [0.0, 0.0] for k in self.arms if k > 0}
 
     def add(self, k: int, steps: int, request_steps: int, accepted: int,
             busy_s: float) -> str | None:
@@ -65,15 +70,29 @@ class PooledAcceptance:
         f = forgetting(self.gamma_rs**request_steps * self._gamma_steps**steps, busy_s,
                        self._memory_s)
         fast = _FAST_GAMMA**steps
-        for acc, quick in zip(self._acc.values(), self._fast.values(), strict=True):
+        for acc, quick, prefix in zip(self._acc.values(), self._fast.values(),
+                                      self._prefix.values(), strict=True):
             acc[0] *= f
             acc[1] *= f
+            prefix[0] *= f
+            prefix[1] *= f
             quick[0] *= fast
             quick[1] *= fast
         for table in (self._acc, self._fast):
             table[k][0] += accepted
             table[k][1] += request_steps
         return self._detect_shift(k)
+
+    def add_depths(self, k: int, counts: Sequence[int], weight: float = 1.0) -> None:
+        """Count requests of a chain at arm ``k`` that accepted ``a`` drafts (``counts[a]``,
+        ``a = 0..k``) for every shallower arm: ``min(a, j)`` accepted drafts at arm ``j < k``,
+        each request-step as ``weight`` of them. They age with the arms' own counts (at
+        :meth:`add`)."""
+        n = sum(counts)
+        for j, prefix in self._prefix.items():
+            if j < k:
+                prefix[0] += weight * sum(min(a, j) * c for a, c in enumerate(counts))
+                prefix[1] += weight * n
 
     def _detect_shift(self, k: int) -> str | None:
         (a_slow, rs_slow), (a_fast, rs_fast) = self._acc[k], self._fast[k]
@@ -92,6 +111,8 @@ class PooledAcceptance:
         """Per measured arm: mean accepted drafts per request-step, and its standard error."""
         out: dict[int, tuple[float, float]] = {}
         for k, (acc, rs) in self._acc.items():
+            acc += self._prefix[k][0]
+            rs += self._prefix[k][1]
             if rs > 0:
                 m = min(max(acc / rs, 0.0), float(k))
                 out[k] = (m, (k / 2) * math.sqrt(self._corr / rs))
@@ -100,7 +121,8 @@ class PooledAcceptance:
     def delta_measured(self) -> bool:
         """Whether the chain's δ is fitted on arms at two depths (the second most measured
         drafting arm has enough request-steps), not its prior alone."""
-        second = sorted((rs for _, rs in self._acc.values()), reverse=True)[1:2]
+        second = sorted((rs + self._prefix[k][1] for k, (_, rs) in self._acc.items()),
+                        reverse=True)[1:2]
         return bool(second) and second[0] >= _DELTA_MEASURED_REQUEST_STEPS
 
     def fit(self, direct: dict[int, tuple[float, float]]) -> tuple[float, float, float]:

@@ -274,8 +274,10 @@ from tuner.protocol import (  # noqa: E402
     N_CLASSES,
     UNKNOWN_BAND,
     COUNTED_MAX_BATCH,
+    DEPTH_EVERY,
     BandCounter,
     BandIndex,
+    DepthCounter,
     band_agnostic,
     band_counter_deltas,
     band_of,
@@ -377,9 +379,15 @@ def _day_state(days: float = 1.0, arms=(0, 1, 2, 3, 5, 7)) -> DynspecState:
                 counted = k > 1 and band and b <= COUNTED_MAX_BATCH  # first-draft rejections
                 bands[key] = (n + share, r + share * b, a + share * b * (k // 2),
                               z + (share * b // 4 if counted else 0))
+    # How many drafts each request accepted, per chain arm: the plugin samples one forward in
+    # DEPTH_EVERY, and counts its first COUNTED_MAX_BATCH requests.
+    sampled = int(86_400 * days * 50 // DEPTH_EVERY) * COUNTED_MAX_BATCH // len(arms)
+    depths = tuple(DepthCounter(k, tuple(sampled // (k + 1) for _ in range(k + 1)))
+                   for k in arms if k >= 2)
     return DynspecState(
         arms=tuple(arms), policy_version=12, table=((8, 5), (64, 3), (None, 1)),
         counters=tuple(counters), started_at=1764400000.0, updates_applied=12,
+        depths=depths,
         bands=tuple(BandCounter(*key, *v) for key, v in sorted(bands.items())),
         acceptance=(3, 0.734), band_table=validate_band_table(
             [[8, 5, 1, 3, 5, 7], [64, 3], [None, 1, 0, 1, 1, 3]], arms),
@@ -394,6 +402,7 @@ def test_v2_readout_of_every_batch_size_arm_and_band_stays_within_32_kb(days):
     assert len(text) <= 32 * 1024, f"{len(text) / 1024:.1f} KB after {days} days"
     back = DynspecState.from_json(json.loads(text))
     assert back.counters == state.counters and back.bands == state.bands
+    assert back.depths == state.depths and len(state.depths) == 4
     assert (back.band_table, back.table, back.acceptance) == (
         state.band_table, state.table, state.acceptance)
     # The same state in v1 rows: what the bound replaces.

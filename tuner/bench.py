@@ -347,7 +347,7 @@ def run_one(
         acc.banded |= banded
         state = core.state()
         rows = state.counters
-        feed.read(state.bands)
+        feed.read(state.bands, state.depths)
         obs: list[Observation] = []
         per_bucket: dict[int, list[tuple[int, float]]] = {}
         # The engine never restarts, so its counters never go backwards.

@@ -23,10 +23,13 @@ from typing import Any
 from policies import BasePolicy, band_observations
 from tuner.protocol import (
     BAND_EDGES,
+    DEPTH_EVERY,
     BandCounter,
+    DepthCounter,
     Table,
     band_agnostic,
     band_counter_deltas,
+    depth_counter_deltas,
     lookup,
 )
 from tuner.sim._step_oracle import StepOracleSums
@@ -45,12 +48,18 @@ class BandFeed:
         if self.on:
             self.pol.set_bands(BAND_EDGES)
         self._prev: tuple[BandCounter, ...] = ()
+        self._prev_depths: tuple[DepthCounter, ...] = ()
+        update = getattr(pol, "update_depths", None)
+        self._update_depths = update if callable(update) else None
 
-    def read(self, bands: tuple[BandCounter, ...]) -> None:
+    def read(self, bands: tuple[BandCounter, ...], depths: tuple[DepthCounter, ...] = ()) -> None:
         if self.on:  # the engine never restarts, so its counters never go backwards
             for obs in band_observations(band_counter_deltas(self._prev, bands) or ()):
                 self.pol.update_bands(obs)
-        self._prev = bands
+        if self._update_depths is not None:
+            for d in depth_counter_deltas(self._prev_depths, depths) or ():
+                self._update_depths(d.k, d.counts, DEPTH_EVERY)
+        self._prev, self._prev_depths = bands, depths
 
     def propose(self) -> Any:
         return self.pol.propose_bands() if self.on else self.pol.propose()

@@ -13,8 +13,15 @@ from test_decode_telemetry import ARMS, Server  # noqa: E402
 
 from tuner.plugin import _sglang  # noqa: E402
 from tuner.plugin.acceptance import STALE_STEPS  # noqa: E402
+from tuner.plugin.core import DEPTH_EVERY  # noqa: E402
 from tuner.plugin.launch import adaptive_config  # noqa: E402
-from tuner.protocol import UNKNOWN_BAND, band_of, encode_update  # noqa: E402
+from tuner.protocol import (  # noqa: E402
+    COUNTED_MAX_BATCH,
+    UNKNOWN_BAND,
+    DepthCounter,
+    band_of,
+    encode_update,
+)
 
 pytestmark = pytest.mark.contract
 
@@ -74,6 +81,27 @@ def test_the_estimate_comes_from_the_verify_output_and_is_the_same_on_every_rank
     assert known and all(c.k == 5 and c.first_counted == c.requests for c in known)
     assert all(3 * c.first_rejected == 2 * c.requests for c in known)
     assert all(c.first_rejected == 0 for c in bands if c.band == UNKNOWN_BAND)
+
+
+def test_how_many_drafts_each_request_accepted_is_counted_on_the_sampled_forwards(servers):
+    """From the same verify output: rank 0 counts, per chain arm, the requests that accepted
+    0..k drafts, on one forward in DEPTH_EVERY; of a larger batch, COUNTED_MAX_BATCH spread
+    over it."""
+    rank0, rank1 = servers
+    for it in range(1, 2 * DEPTH_EVERY + 1):
+        for s in servers:
+            # accept_lens include the bonus token: at k = 5, accepted 0, 2 and 5 drafts.
+            s.step(k=5, accept_lens=[1, 3, 6], it=it, ts=10.0 + 0.02 * it)
+    # 64 requests: the first half accepted 1 of 3 drafts, the second all 3; every other one
+    # is counted.
+    big = [2] * COUNTED_MAX_BATCH + [4] * COUNTED_MAX_BATCH
+    for s in servers:
+        s.step(k=3, accept_lens=big, it=3 * DEPTH_EVERY, ts=11.0)
+    assert rank0.policy.dynspec.state().depths == (
+        DepthCounter(3, (0, 16, 0, 16)), DepthCounter(5, (2, 0, 2, 0, 0, 2)))
+    assert rank1.policy.dynspec.state().depths == ()
+    raw = rank0.policy.dynspec.readout()
+    assert raw["depths"] == [[3, "0,G,0,G"], [5, "2,0,2,0,0,2"]]
 
 
 def test_steps_without_drafting_make_the_band_unknown_and_the_unknown_band_probes(servers):

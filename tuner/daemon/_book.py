@@ -69,6 +69,13 @@ class _PoolPolicy:
         with self.lock:
             return self.policy.update_bands(obs)
 
+    def update_depths(self, k: int, counts: Sequence[int], every: int = 1) -> bool:
+        update = getattr(self.policy, "update_depths", None)
+        if not callable(update):  # a policy that pools no acceptance
+            return False
+        with self.lock:
+            return bool(update(k, counts, every))
+
     def propose_bands(self) -> BandTable | None:
         with self.lock:
             return self.policy.propose_bands()

@@ -13,7 +13,7 @@ from tuner.config import TunerConfig
 from tuner.daemon._records import _Server
 from tuner.errors import ServerError, ServerUnavailableError
 from tuner.daemon._tables import AnyTable, canon, flat, show_table, validate_any
-from tuner.protocol import ProtocolError
+from tuner.protocol import DEPTH_EVERY, ProtocolError
 
 log = logging.getLogger("tuner.daemon")  # one logger name for the whole loop
 
@@ -46,7 +46,11 @@ class _Pusher:
         if srv.bands and srv.policy is not None:
             for bo in srv.band_obs:
                 srv.policy.update_bands(bo)
-        srv.band_obs = []
+        update_depths = getattr(srv.policy, "update_depths", None)
+        if callable(update_depths):
+            for d in srv.depth_obs:
+                update_depths(d.k, d.counts, DEPTH_EVERY)
+        srv.band_obs, srv.depth_obs = [], []
         srv.observations += used
         srv.decode_steps += int(steps)
         srv.interval_goodput = emitted / busy if busy > 0 else math.nan

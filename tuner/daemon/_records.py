@@ -11,7 +11,7 @@ from typing import Any
 from policies import BandObservation, BasePolicy, Buckets, PolicySnapshot
 from tuner.client import SGLangClient
 from tuner.daemon._tables import AnyTable
-from tuner.protocol import DynspecState, Probe, TreeShape
+from tuner.protocol import DepthCounter, DynspecState, Probe, TreeShape
 
 # Rows kept in memory while the database is unavailable (about 100 bytes each). Beyond this
 # the oldest observations are dropped, and counted, rather than exhausting memory.
@@ -120,6 +120,7 @@ class _Server:
     bands: bool = False
     bands_set: bool = False
     band_obs: list[BandObservation] = field(default_factory=list)  # this reading's
+    depth_obs: list[DepthCounter] = field(default_factory=list)  # ... and depth counts
     prev: list[DynspecState] | None = None
     version: int = 0  # highest version known to be used (ours, the server's, the history's)
     server_table: AnyTable | None = None

@@ -22,10 +22,12 @@ from tuner.protocol import (
     BAND_EDGES,
     BandCounter,
     CounterRow,
+    DepthCounter,
     DynspecState,
     TreeShape,
     band_counter_deltas,
     counter_deltas,
+    depth_counter_deltas,
 )
 
 log = logging.getLogger("tuner.daemon")  # one logger name for the whole loop
@@ -168,15 +170,16 @@ class _Session:
             # First reading: counters since the server started, under tables we did not
             # choose, possibly already in the history. A baseline, not an observation.
             srv.rejected_seen = [s.updates_rejected for s in states]
-            srv.band_obs = []
+            srv.band_obs, srv.depth_obs = [], []
             return []
         if len(prev) != len(states):
             self._restart(srv, now, f"DP replicas {len(prev)} -> {len(states)}")
             srv.rejected_seen = [s.updates_rejected for s in states]
-            srv.band_obs = []
+            srv.band_obs, srv.depth_obs = [], []
             return []
         new: list[CounterRow] = []  # every DP replica's, summed per (b, k) below
         bands: list[BandCounter] = []  # and their band counters' deltas, as they come
+        depths: list[DepthCounter] = []  # ... and depth counters' deltas
         pending, srv.pending_rejection = srv.pending_rejection, None
         if pending is not None and not any(
             s.updates_rejected > (srv.rejected_seen[i] if i < len(srv.rejected_seen)
@@ -201,6 +204,7 @@ class _Session:
                     # Counters of a restarted server count from zero: all of it is new.
                     new.extend(s.counters)
                     bands.extend(s.bands)
+                    depths.extend(s.depths)
                 continue
             deltas = counter_deltas(p.counters, s.counters)
             if deltas is None:
@@ -210,8 +214,10 @@ class _Session:
             # Band counters that went backwards alone are not a restart the (b, k) ones
             # missed; they are dropped, never fed across it.
             bands.extend(band_counter_deltas(p.bands, s.bands) or ())
+            depths.extend(depth_counter_deltas(p.depths, s.depths) or ())
         srv.rejected_seen = [s.updates_rejected for s in states]
         srv.band_obs = band_observations(bands) if srv.bands else []
+        srv.depth_obs = depths
         return sum_by_arm(new)
 
     def _restart(self, srv: _Server, now: float, detail: str) -> None:

@@ -40,7 +40,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from tuner.plugin import _tree
-from tuner.plugin.core import PluginCore
+from tuner.plugin.core import DEPTH_EVERY, PluginCore
 from tuner.protocol import (
     COUNTED_MAX_BATCH,
     KEY_PREFIX,
@@ -400,6 +400,7 @@ def decode_step_fn(core: PluginCore, *, record: bool) -> Callable[[Any, Any], No
     estimate = core.acceptance
     observe = estimate.observe_totals
     count = core.telemetry.record
+    depths, every = core.record_depths, DEPTH_EVERY
     sample = FULL_SAMPLE
     health = _HEALTH_CHECK_PREFIX
 
@@ -443,6 +444,8 @@ def decode_step_fn(core: PluginCore, *, record: bool) -> Callable[[Any, Any], No
             # emitted is accepted + b for EAGLE; the readout derives it.
             count(b, k, 0, accepted, launch_ts, forward_iter, batch.after_idle_gap, band,
                   rejected)
+            if not forward_iter % every and per_req is not None:
+                depths(k, per_req, forward_iter)
 
     return step
 

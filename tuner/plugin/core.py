@@ -12,6 +12,8 @@ from typing import Any
 
 from tuner.plugin.acceptance import AcceptanceEstimate
 from tuner.protocol import (
+    COUNTED_MAX_BATCH,
+    DEPTH_EVERY,
     N_BANDS,
     PROTOCOL_VERSION,
     UNKNOWN_BAND,
@@ -19,6 +21,7 @@ from tuner.protocol import (
     BandIndex,
     BandTable,
     CounterRow,
+    DepthCounter,
     DynspecState,
     Probe,
     ProtocolError,
@@ -31,10 +34,11 @@ from tuner.protocol import (
     is_uniform,
 )
 
-__all__ = ["MAX_STEP_GAP_S", "PluginCore", "Telemetry"]
+__all__ = ["DEPTH_EVERY", "MAX_STEP_GAP_S", "PluginCore", "Telemetry"]
 
 # SGLang's own step counters ignore launch-to-launch gaps above 2 s (idle, not busy).
 MAX_STEP_GAP_S = 2.0
+
 # A live probe's upper bound where it has none (larger than any batch).
 _NO_BOUND = 2**62
 
@@ -55,11 +59,13 @@ class Telemetry:
     Hot path: one integer key into a dict of small lists, no objects per step.
     """
 
-    __slots__ = ("_cells", "_pending", "untimed_steps")
+    __slots__ = ("_cells", "_depths", "_pending", "untimed_steps")
 
     def __init__(self) -> None:
         # (b * N_BANDS + band) * 64 + k -> [decode_steps, accepted, busy_s, first_rejected]
         self._cells: dict[int, list[float]] = {}
+        # chain arm k -> requests that accepted exactly a drafts, a = 0..k
+        self._depths: dict[int, list[int]] = {}
         self._pending: tuple[int, int, int, float, int, int, int] | None = None
         self.untimed_steps = 0
 
@@ -144,6 +150,17 @@ class Telemetry:
             cell[1] += pa
             cell[2] += gap
             cell[3] += pz
+
+    def count_depths(self, k: int, accepted_per_req: Iterable[int]) -> None:
+        """Count how many drafts each request of a chain step at arm ``k`` accepted."""
+        counts = self._depths.get(k)
+        if counts is None:
+            counts = self._depths[k] = [0] * (k + 1)
+        for a in accepted_per_req:
+            counts[a] += 1
+
+    def depth_rows(self) -> tuple[DepthCounter, ...]:
+        return tuple(DepthCounter(k, tuple(c)) for k, c in sorted(self._depths.items()))
 
     def rows(self) -> tuple[CounterRow, ...]:
         """Per ``(b, k)``: the cells summed over bands."""
@@ -300,6 +317,19 @@ class PluginCore:
             self.acceptance.band if band is None else band, first_rejected,
         )
 
+    def record_depths(self, k: int, accepted_per_req: Sequence[int], forward_iter: int) -> None:
+        """Count how many drafts each request accepted, on the decode forwards sampled
+        (``DEPTH_EVERY``, chains of ``k >= 2``; of a larger batch, ``COUNTED_MAX_BATCH``
+        requests spread evenly over it: a batch is ordered by admission, and acceptance
+        drifts as requests age). A tree's paths are not a chain's prefixes, so a tree server
+        counts none."""
+        if forward_iter % DEPTH_EVERY or k < 2 or self.tree is not None:
+            return
+        b = len(accepted_per_req)
+        if b > COUNTED_MAX_BATCH:
+            accepted_per_req = accepted_per_req[::-(-b // COUNTED_MAX_BATCH)]
+        self.telemetry.count_depths(k, accepted_per_req)
+
     def record_forward(
         self, launch_ts: float, forward_iter: int, after_idle_gap: bool = False
     ) -> None:
@@ -390,6 +420,7 @@ class PluginCore:
             acceptance=(est.band, est.alpha) if v2 else None,
             probes=tuple((lo, None if hi == _NO_BOUND else hi, k, left)
                          for lo, hi, k, left in self.probes),
+            depths=self.telemetry.depth_rows() if v2 else (),
         )
 
     def readout(self, *, hooks_live: bool = True, reason: str | None = None) -> dict[str, Any]:

@@ -34,6 +34,10 @@ CLASS_EDGES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # band counters count no first-draft rejections (the hook's cost stays flat in the batch size;
 # BandCounter.first_counted).
 COUNTED_MAX_BATCH = 32
+# How many drafts each request accepted (DepthCounter) is counted on one decode forward in
+# this many (by forward_iter, the same on every rank), for at most COUNTED_MAX_BATCH of its
+# requests: a few hundred requests a second is plenty, and the count costs a loop over them.
+DEPTH_EVERY = 8
 N_CLASSES = len(CLASS_EDGES) + 1
 # Batch sizes a table index expands into a flat list (above: bisect).
 _FLAT_MAX_BS = 4096

@@ -3,7 +3,8 @@
 Protocol v2 keeps the readout bounded whatever the uptime (docs/protocol.md): per
 ``(b, k)`` only what cannot be derived (decode steps, accepted drafts, busy microseconds), in
 base-64 digits, one string per arm that is dense over batch sizes; per ``(class, band, k)``
-the steps, requests and accepted drafts that tell acceptance by band.
+the steps, requests and accepted drafts that tell acceptance by band; per chain arm, how many
+drafts the requests accepted (what shallower arms would have accepted).
 """
 
 from __future__ import annotations
@@ -278,6 +279,70 @@ def band_counter_deltas(
     return tuple(out)
 
 
+@dataclass(frozen=True, slots=True)
+class DepthCounter:
+    """How many drafts each request accepted at chain arm ``k >= 2`` (protocol v2).
+
+    ``counts[a]`` is the cumulative number of requests that accepted exactly ``a`` of their
+    ``k`` drafts, on the steps the plugin samples (one in :data:`DEPTH_EVERY`, at most
+    :data:`COUNTED_MAX_BATCH` requests of each). A chain's first ``j`` drafts are the same
+    whatever its depth, so these counts tell what every shallower arm would have accepted on
+    the same requests: ``sum(min(a, j) * counts[a])`` accepted drafts over ``sum(counts)``
+    request-steps at arm ``j < k``.
+    """
+
+    k: int
+    counts: tuple[int, ...]
+
+    @property
+    def requests(self) -> int:
+        return sum(self.counts)
+
+    def accepted_at(self, j: int) -> int:
+        """Accepted drafts the counted requests would have had at depth ``j <= k``."""
+        return sum(min(a, j) * n for a, n in enumerate(self.counts))
+
+
+def depth_counter_deltas(
+    before: Iterable[DepthCounter], after: Iterable[DepthCounter]
+) -> tuple[DepthCounter, ...] | None:
+    """As :func:`counter_deltas`, for depth counters (None: they cannot be from one run)."""
+    old = {c.k: c for c in before}
+    new = {c.k: c for c in after}
+    if any(k not in new for k in old):
+        return None
+    out = []
+    for k in sorted(new):
+        c, o = new[k], old.get(k)
+        d = c.counts if o is None else tuple(x - y for x, y in zip(c.counts, o.counts))
+        if min(d) < 0:
+            return None
+        if any(d):
+            out.append(DepthCounter(k, d))
+    return tuple(out)
+
+
+def _encode_depths(depths: Iterable[DepthCounter]) -> list[list[int | str]]:
+    return [[d.k, encode_cells([d.counts])] for d in sorted(depths, key=lambda d: d.k)]
+
+
+def _decode_depths(obj: object, arms: tuple[int, ...]) -> tuple[DepthCounter, ...]:
+    if not isinstance(obj, list):
+        raise ProtocolError("depths must be a list of [k, counts]")
+    out: list[DepthCounter] = []
+    for entry in obj:
+        if not isinstance(entry, list) or len(entry) != 2:
+            raise ProtocolError(f"depths entry must be [k, counts]: {entry!r:.80}")
+        k = _as_int(entry[0], "depth counter k")
+        if k < 2 or k not in arms or any(d.k == k for d in out):
+            raise ProtocolError(f"depth counter k={k} is not an arm >= 2, or repeated")
+        cells = decode_cells(entry[1], k + 1, f"depths k={k}")
+        if len(cells) != 1 or cells[0] is None:
+            raise ProtocolError(f"depths k={k} must hold one cell of {k + 1} numbers")
+        out.append(DepthCounter(k, cells[0]))
+    return tuple(out)
+
+
 def _encode_counters(counters: Iterable[CounterRow]) -> list[list[int | str]]:
     by_k: dict[int, dict[int, CounterRow]] = {}
     for c in counters:
@@ -394,6 +459,8 @@ class DynspecState:
     acceptance: tuple[int, float | None] | None = None
     # Live probes (v2), steps left rather than steps sent: omitted when none.
     probes: tuple[Probe, ...] = ()
+    # Accepted-draft counts per chain arm (v2): omitted when none.
+    depths: tuple[DepthCounter, ...] = ()
 
     @property
     def banded_table(self) -> BandTable:
@@ -425,6 +492,8 @@ class DynspecState:
                 out["acceptance"] = [band, None if alpha is None else round(alpha * 1000)]
             if self.probes:
                 out["probes"] = probes_to_json(self.probes)
+            if self.depths:
+                out["depths"] = _encode_depths(self.depths)
         if self.reason is not None:
             out["reason"] = self.reason
         if self.last_rejection is not None:
@@ -481,6 +550,7 @@ class DynspecState:
         bands: tuple[BandCounter, ...] = ()
         acceptance = None
         probes: tuple[Probe, ...] = ()
+        depths: tuple[DepthCounter, ...] = ()
         if proto >= 2:
             if not isinstance(obj["table"], list):
                 raise ProtocolError("table must be a JSON list")
@@ -494,6 +564,7 @@ class DynspecState:
             if not isinstance(raw_probes, list):
                 raise ProtocolError(f"probes must be a list, got {raw_probes!r:.80}")
             probes = validate_probes(raw_probes, arms)
+            depths = _decode_depths(obj.get("depths", []), arms)
         else:
             if not isinstance(counters_raw, list):
                 raise ProtocolError("counters must be a list")
@@ -519,6 +590,7 @@ class DynspecState:
             bands=bands,
             acceptance=acceptance,
             probes=probes,
+            depths=depths,
         )
 
 
