@@ -22,7 +22,13 @@ from collections import Counter
 from _drive import Load, push, set_acceptance, state
 from _server import generate, readout, wait_for
 
-from tuner.protocol import BAND_EDGES, band_counter_deltas, class_range
+from tuner.protocol import (
+    BAND_EDGES,
+    DEPTH_EVERY,
+    band_counter_deltas,
+    class_range,
+    depth_counter_deltas,
+)
 
 # Unknown band, then bands 1..4 (alpha < 0.55, 0.55-0.70, 0.70-0.85, >= 0.85).
 KS = (3, 1, 1, 3, 3)
@@ -70,7 +76,7 @@ def phase(url: str, seed: int, *, warm_band: int | None = None) -> dict:
     deltas = band_counter_deltas(before.bands, after.bands)
     assert deltas is not None, "the band counters went backwards: a server restart?"
     assert not load.errors, load.errors[:3]
-    return {"deltas": deltas, "end": after, "seconds": time.monotonic() - start,
+    return {"deltas": deltas, "start": before, "end": after, "seconds": time.monotonic() - start,
             "requests": load.completed,
             "untimed": after.untimed_steps - before.untimed_steps}  # fmt: skip
 
@@ -165,3 +171,17 @@ def test_bands_follow_an_acceptance_change_at_run_time(plugin_server, results_di
     assert old_arm >= 1, low_steps  # the change met an estimate still high
     assert old_arm + low["untimed"] <= SWITCH_MAX_STEPS, (low_steps, low["untimed"])
     assert low_steps[1, KS[1]] >= sum(low_steps.values()) / 2, low_steps
+
+    # How many drafts each request accepted (the readout's depths): the high phase's k=3
+    # steps were sampled, one forward in DEPTH_EVERY, and the sample's accepted drafts per
+    # request-step agree with the band counters' over all of the phase's k=3 steps.
+    depths = depth_counter_deltas(high["start"].depths, high["end"].depths)
+    assert depths is not None, "the depth counts went backwards"
+    k3 = next((d for d in depths if d.k == KS[4]), None)
+    requests = sum(d.requests for d in high["deltas"] if d.k == KS[4])
+    accepted = sum(d.accepted_drafts for d in high["deltas"] if d.k == KS[4])
+    print(f"depths at k{KS[4]}: {k3} against {requests} request-steps, "
+          f"{accepted / requests:.2f} accepted drafts each")
+    assert k3 is not None and k3.requests >= CONCURRENCY, depths
+    assert k3.requests <= 3 * requests / DEPTH_EVERY + CONCURRENCY, (k3, requests)
+    assert abs(k3.accepted_at(KS[4]) / k3.requests - accepted / requests) <= 0.5, (k3, accepted)

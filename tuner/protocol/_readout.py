@@ -459,7 +459,7 @@ class DynspecState:
     acceptance: tuple[int, float | None] | None = None
     # Live probes (v2), steps left rather than steps sent: omitted when none.
     probes: tuple[Probe, ...] = ()
-    # Accepted-draft counts per chain arm (v2): omitted when none.
+    # Accepted-draft counts per chain arm (v2; read as none from a plugin before them).
     depths: tuple[DepthCounter, ...] = ()
 
     @property
@@ -492,8 +492,7 @@ class DynspecState:
                 out["acceptance"] = [band, None if alpha is None else round(alpha * 1000)]
             if self.probes:
                 out["probes"] = probes_to_json(self.probes)
-            if self.depths:
-                out["depths"] = _encode_depths(self.depths)
+            out["depths"] = _encode_depths(self.depths)
         if self.reason is not None:
             out["reason"] = self.reason
         if self.last_rejection is not None:
