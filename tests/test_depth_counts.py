@@ -11,9 +11,10 @@ import pytest
 from policies import Observation, make_policy
 from tests._fakes import FakeClock
 from tests.test_daemon_bands import Sim, _run, _ticks
-from tuner.plugin.core import DEPTH_EVERY, PluginCore
+from tuner.plugin.core import PluginCore
 from tuner.protocol import (
     COUNTED_MAX_BATCH,
+    DEPTH_EVERY,
     DepthCounter,
     DynspecState,
     ProtocolError,

@@ -13,10 +13,10 @@ from test_decode_telemetry import ARMS, Server  # noqa: E402
 
 from tuner.plugin import _sglang  # noqa: E402
 from tuner.plugin.acceptance import STALE_STEPS  # noqa: E402
-from tuner.plugin.core import DEPTH_EVERY  # noqa: E402
 from tuner.plugin.launch import adaptive_config  # noqa: E402
 from tuner.protocol import (  # noqa: E402
     COUNTED_MAX_BATCH,
+    DEPTH_EVERY,
     UNKNOWN_BAND,
     DepthCounter,
     band_of,

@@ -40,9 +40,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from tuner.plugin import _tree
-from tuner.plugin.core import DEPTH_EVERY, PluginCore
+from tuner.plugin.core import PluginCore
 from tuner.protocol import (
     COUNTED_MAX_BATCH,
+    DEPTH_EVERY,
     KEY_PREFIX,
     PROTOCOL_VERSION,
     DynspecState,
@@ -444,6 +445,8 @@ def decode_step_fn(core: PluginCore, *, record: bool) -> Callable[[Any, Any], No
             # emitted is accepted + b for EAGLE; the readout derives it.
             count(b, k, 0, accepted, launch_ts, forward_iter, batch.after_idle_gap, band,
                   rejected)
+            # record_depths keeps the sampling rule; testing it here first saves the call
+            # on the seven forwards in eight it would refuse.
             if not forward_iter % every and per_req is not None:
                 depths(k, per_req, forward_iter)
 

@@ -34,11 +34,10 @@ from tuner.protocol import (
     is_uniform,
 )
 
-__all__ = ["DEPTH_EVERY", "MAX_STEP_GAP_S", "PluginCore", "Telemetry"]
+__all__ = ["MAX_STEP_GAP_S", "PluginCore", "Telemetry"]
 
 # SGLang's own step counters ignore launch-to-launch gaps above 2 s (idle, not busy).
 MAX_STEP_GAP_S = 2.0
-
 # A live probe's upper bound where it has none (larger than any batch).
 _NO_BOUND = 2**62
 

@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from tuner.plugin._sglang import FULL_SAMPLE
-from tuner.plugin.core import DEPTH_EVERY, PluginCore
+from tuner.plugin.core import PluginCore
 from tuner.sim._counters import EngineCounters
 from tuner.sim._requests import Request, RequestLog, RequestStats
 from tuner.sim._running import RunningRows
@@ -394,8 +394,7 @@ class Engine:
             # band is known when the step is folded in).
             rejected = acc.count(0) if n <= FULL_SAMPLE and k > 1 else 0
             # ... and, on the forwards the hook samples, how many drafts each accepted.
-            if not fi % DEPTH_EVERY:
-                self.core.record_depths(k, acc, fi)
+            self.core.record_depths(k, acc, fi)
         else:
             accepted = 0
             rows.plain_step(n, self.skip_zero_draft_extend)
