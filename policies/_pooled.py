@@ -4,7 +4,8 @@ Acceptance is a property of the requests, not of the batch size, so every bucket
 feeds one count per arm ``k > 0``: the discounted accepted drafts and request-steps, and, where
 the plugin counts how many drafts each request accepted, those of every shallower arm. A copy
 with a short memory watches for a workload shift (detect and restart), and a chain model
-(``P(A ≥ i) = α^i δ^(i(i−1)/2)``) fitted to the per-arm means gives the arms never run.
+(``P(A ≥ i) = α^i δ^(i(i−1)/2)``) fitted to the per-arm means gives the arms never run. Its
+shape δ is read off the counted requests' positions where there are enough of them.
 How the means become per-arm predictions is the policy's (``ModelPolicy._acceptance``).
 """
 
@@ -12,8 +13,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import lru_cache
 
-from policies._acceptance import ALPHAS, chain_accepted, fit_chain
+import numpy as np
+
+from policies._acceptance import ALPHAS, DELTAS, chain_accepted, fit_chain
 from policies._stats import discount, forgetting
 
 __all__ = ["PooledAcceptance"]
@@ -25,6 +29,26 @@ _FAST_MIN_REQUEST_STEPS = 2_000.0
 # counts as measured (at two depths) rather than as its prior (BandBook.set_delta): about 33
 # independent acceptance samples at the policy's default acceptance_corr (30).
 _DELTA_MEASURED_REQUEST_STEPS = 1000.0
+# Counted request-steps (as weighed by add_depths) that reached a second draft before the
+# shape they show replaces the chain's prior: about ten independent samples.
+_SHAPE_MIN_REACHED = 300.0
+# The least variance a position's acceptance rate is judged by (a rate of 0.9 has 0.09):
+# where the chain puts a position at certainty, a few counted misses must not read as misfit.
+_RATE_VAR_FLOOR = 0.01
+
+
+_DELTA_GRID = np.asarray(DELTAS)
+
+
+@lru_cache(maxsize=8)
+def _position_grid(positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """``log p`` and ``log(1 - p)`` of a chain's draft positions ``i = 1..positions`` on the
+    (α, δ) grid, [α, δ, i]: position i is accepted, given those before it were, with
+    ``p = α·δ^(i−1)`` (capped just short of 1, as the chain caps it at 1)."""
+    i = np.arange(positions)
+    p = np.clip(ALPHAS[:, None, None] * _DELTA_GRID[None, :, None] ** i[None, None, :],
+                1e-9, 1 - 1e-9)
+    return np.log(p), np.log1p(-p)
 
 
 class PooledAcceptance:
@@ -58,6 +82,13 @@ class PooledAcceptance:
         # depth, so a step at arm k' > k tells what k would have accepted on its requests
         # (how many drafts each accepted, counted by the plugin: add_depths).
         self._prefix = {k: [0.0, 0.0] for k in self.arms if k > 0}
+        # Per draft position i = 1..: the counted requests that reached it (accepted the
+        # i - 1 before it) and those that accepted it too. Every position of a counted
+        # request is on the same request, so the ratio's fall with i is the requests' own
+        # shape, whichever bands the deep arms ran in.
+        deepest = max(self.arms)
+        self._reached = np.zeros(deepest)
+        self._passed = np.zeros(deepest)
 
     def add(self, k: int, steps: int, request_steps: int, accepted: int,
             busy_s: float) -> str | None:
@@ -78,6 +109,8 @@ class PooledAcceptance:
             prefix[1] *= f
             quick[0] *= fast
             quick[1] *= fast
+        self._reached *= f
+        self._passed *= f
         for table in (self._acc, self._fast):
             table[k][0] += accepted
             table[k][1] += request_steps
@@ -93,6 +126,9 @@ class PooledAcceptance:
             if j < k:
                 prefix[0] += weight * sum(min(a, j) * c for a, c in enumerate(counts))
                 prefix[1] += weight * n
+        tail = np.cumsum(np.asarray(counts, dtype=float)[::-1])[::-1]  # requests with A >= a
+        self._reached[:k] += weight * tail[:k]
+        self._passed[:k] += weight * tail[1:k + 1]
 
     def _detect_shift(self, k: int) -> str | None:
         (a_slow, rs_slow), (a_fast, rs_fast) = self._acc[k], self._fast[k]
@@ -125,15 +161,49 @@ class PooledAcceptance:
                         reverse=True)[1:2]
         return bool(second) and second[0] >= _DELTA_MEASURED_REQUEST_STEPS
 
+    def shape(self) -> tuple[float, float] | None:
+        """The chain's δ fitted on the counted positions alone (maximum likelihood on the
+        grid, each request-step worth ``1/corr`` of a sample), and its standard error, wider
+        by as much as the positions stray from that chain beyond their noise; None until the
+        second position has been reached ``_SHAPE_MIN_REACHED`` times."""
+        reached, passed = self._reached, self._passed
+        if reached.size < 2 or reached[1] < _SHAPE_MIN_REACHED:
+            return None
+        log_p, log_q = _position_grid(reached.size)
+        ll = log_p @ passed + log_q @ (reached - passed)
+        a, j = np.unravel_index(int(np.argmax(ll)), ll.shape)
+        profile = ll.max(axis=0) / self._corr
+        # The δs within which the profile falls by at most 1/2: one standard error each way.
+        inside = _DELTA_GRID[profile >= profile[j] - 0.5]
+        step = float(_DELTA_GRID[1] - _DELTA_GRID[0])
+        sd = max((float(inside.max()) - float(inside.min())) / 2, step / 2)
+        # Misfit: a cliff (a draft that loses the thread past a horizon) is no chain, and
+        # its δ, however precisely fitted, must not hold the arms' own means in.
+        seen = reached > 0
+        if seen.sum() > 2:
+            p = np.exp(log_p[a, j])[seen]
+            n = reached[seen] / self._corr
+            rate = passed[seen] / reached[seen]
+            chi2 = float((n * (rate - p) ** 2 / np.maximum(p * (1 - p), _RATE_VAR_FLOOR)).sum())
+            sd *= math.sqrt(max(1.0, chi2 / (seen.sum() - 2)))
+        return float(_DELTA_GRID[j]), sd
+
     def fit(self, direct: dict[int, tuple[float, float]]) -> tuple[float, float, float]:
         """``(α, its standard error, δ)`` of the chain model, fitted by least squares to the
-        measured means: δ is the default's unless two or more arms measured say otherwise."""
+        measured means. δ's prior is the shape the counted positions show (:meth:`shape`)
+        once there are enough of them, else the default's: the per-arm means compare arms
+        that may have run on different batches (a banded row runs its deep arm where
+        acceptance is high), the positions of one counted request do not."""
         if not direct:  # nothing seen yet: a wide prior around typical EAGLE-3 chat
             return 0.7, 0.3, self._chain_delta
         drafting = [k for k in self.arms if k > 0]
+        prior, prior_sd = self._chain_delta, self._delta_prior_sd
+        measured = self.shape()
+        if measured is not None:  # the requests' own shape replaces the prior's
+            prior, prior_sd = measured
         coarse, delta = fit_chain(drafting, [(k, m, 1 / (sd * sd + 1e-12))
                                         for k, (m, sd) in direct.items()],
-                             self._chain_delta, self._delta_prior_sd)
+                             prior, prior_sd)
 
         def loss(a: float) -> float:
             return sum(((m - chain_accepted(a, delta, k)) / sd) ** 2

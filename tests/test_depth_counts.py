@@ -134,6 +134,61 @@ def test_deeper_drafts_tell_the_model_what_a_shallower_arm_accepts():
     assert abs(mean_told - truth) < 0.1
 
 
+def _chain_counts(alpha: float, delta: float, k: int, n: int = 1000) -> tuple[int, ...]:
+    """Of ``n`` requests of a chain (α, δ) at arm ``k``, how many accepted 0..k drafts."""
+    reach, p = [1.0], 1.0
+    for i in range(1, k + 1):
+        p *= min(alpha * delta ** (i - 1), 1.0)
+        reach.append(p)
+    reach.append(0.0)
+    return tuple(round(n * (reach[a] - reach[a + 1])) for a in range(k + 1))
+
+
+@pytest.mark.parametrize("delta", [0.85, 0.973, 1.08])
+def test_the_chains_shape_is_read_off_the_counted_positions(delta):
+    pooled = make_policy("model", arms=(0, 1, 3, 5, 7), seed=0)._pooled
+    assert pooled.shape() is None  # nothing counted: the prior's shape
+    pooled.add_depths(7, _chain_counts(0.7, delta, 7, n=20), DEPTH_EVERY)
+    assert pooled.shape() is None  # 20 requests are not enough to tell
+    for _ in range(20):
+        pooled.add_depths(7, _chain_counts(0.7, delta, 7), DEPTH_EVERY)
+    got, sd = pooled.shape()
+    assert abs(got - delta) <= 0.02 + 1e-9  # the grid's step
+    assert sd <= 0.03
+
+
+def test_a_cliff_is_no_chain_and_its_shape_is_held_loosely():
+    """Requests that accept three drafts and then almost never: the best chain through
+    their positions is precise and wrong, and its δ is held no tighter than the prior's."""
+    pooled = make_policy("model", arms=(0, 1, 3, 5), seed=0)._pooled
+    for _ in range(40):
+        pooled.add_depths(5, (0, 0, 1, 90, 1, 8), DEPTH_EVERY)
+        pooled.add_depths(5, _chain_counts(0.9, 0.9, 5, n=100), DEPTH_EVERY)
+    chain_only = make_policy("model", arms=(0, 1, 3, 5), seed=0)._pooled
+    for _ in range(40):
+        chain_only.add_depths(5, _chain_counts(0.9, 0.9, 5, n=200), DEPTH_EVERY)
+    assert pooled.shape()[1] >= 0.1
+    assert chain_only.shape()[1] <= 0.02
+
+
+def test_the_counted_shape_overrules_arms_that_ran_on_different_batches():
+    """A banded row runs k = 1 on batches of low acceptance and k = 5 on those of high:
+    compared across the arms, acceptance seems to rise with depth. The k = 5 steps' depth
+    counts show their requests' own chain (δ = 0.9), and the chain fit takes it."""
+    arms = (0, 1, 3, 5)
+    plain, told = (make_policy("model", arms=arms, seed=0) for _ in range(2))
+    high = _chain_counts(0.9, 0.9, 5)
+    for p in (plain, told):
+        for _ in range(40):
+            _feed(p, b=4, k=1, accepted_per_req=0.5)
+            _feed(p, b=4, k=5, accepted_per_req=sum(a * n for a, n in enumerate(high)) / 1000)
+            if p is told:
+                assert p.update_depths(5, high, every=DEPTH_EVERY)
+        p._acceptance()
+    assert plain._delta > 1.05
+    assert abs(told._delta - 0.9) <= 0.02 + 1e-9
+
+
 @pytest.mark.parametrize("k, counts, every", [
     (1, (3, 4), 1), (3, (1, 2, 3), 1), (3, (1, -2, 3, 4), 1), (3, (0, 0, 0, 0), 1),
     (True, (1, 2), 1), (3, (1.5, 2, 3, 4), 1), (3, (1, 2, 3, 4), 0),
