@@ -138,8 +138,13 @@ class PooledAcceptance:
         sd = (k / 2) * math.sqrt(self._corr / rs_fast + self._corr / rs_slow)
         if abs(m_fast - m_slow) <= self._shift_z * sd:
             return None
+        # What deeper drafts told of shallower arms and of the shape is long memory of the
+        # old requests too; the short memory keeps none of it, so it restarts empty.
         for arm in self._acc:
             self._acc[arm][:] = self._fast[arm]
+            self._prefix[arm][:] = [0.0, 0.0]
+        self._reached[:] = 0.0
+        self._passed[:] = 0.0
         return (f"acceptance changed: k={k} accepts {m_fast:.2f} drafts per request-step, "
                 f"was {m_slow:.2f}; the acceptance estimate restarts")
 

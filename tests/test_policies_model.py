@@ -342,3 +342,21 @@ def test_the_pooled_counts_restart_from_their_short_memory_when_acceptance_shift
     assert 0.5 < mean < 1.6
     pool.add(1, 10, 1000, 500, 1.0)
     assert pool.delta_measured()  # a second depth with 1000 request-steps
+
+
+def test_a_shift_forgets_what_deeper_drafts_said_of_the_old_requests():
+    """What the depth counts told of shallower arms and of the chain's shape is part of the
+    long memory: after a shift it describes the old requests, and it restarts too."""
+    pool = PooledAcceptance((0, 1, 3), memory_request_steps=1e5, memory_steps=5e3,
+                            memory_s=math.inf, corr=30.0, chain_delta=0.973,
+                            delta_prior_sd=0.1, shift_z=3.0)
+    for _ in range(100):
+        assert pool.add(3, 100, 800, 1600, 1.0) is None
+        pool.add_depths(3, (10, 10, 20, 60), 8.0)  # 2.3 drafts: k = 1 accepts 0.9
+    assert pool.shape() is not None
+    assert pool.direct()[1][0] == pytest.approx(0.9)
+    said = None
+    while said is None:  # acceptance falls to 0.5 a request-step
+        said = pool.add(3, 100, 800, 400, 1.0)
+    assert pool.shape() is None
+    assert 1 not in pool.direct()  # k = 1 never ran itself; nothing is left of the old
