@@ -35,8 +35,6 @@ _SHAPE_MIN_REACHED = 300.0
 # The least variance a position's acceptance rate is judged by (a rate of 0.9 has 0.09):
 # where the chain puts a position at certainty, a few counted misses must not read as misfit.
 _RATE_VAR_FLOOR = 0.01
-
-
 _DELTA_GRID = np.asarray(DELTAS)
 
 
