@@ -116,15 +116,19 @@ class PooledAcceptance:
 
     def add_depths(self, k: int, counts: Sequence[int], weight: float = 1.0) -> None:
         """Count requests of a chain at arm ``k`` that accepted ``a`` drafts (``counts[a]``,
-        ``a = 0..k``) for every shallower arm: ``min(a, j)`` accepted drafts at arm ``j < k``,
-        each request-step as ``weight`` of them. They age with the arms' own counts (at
-        :meth:`add`)."""
-        n = sum(counts)
+        ``a = 0..k``), each request-step as ``weight`` of them: for every shallower arm
+        ``j < k``, ``min(a, j)`` accepted drafts; for every position ``i <= k``, the requests
+        that reached it and those that accepted it (:meth:`shape`). They age with the arms'
+        own counts (at :meth:`add`)."""
+        # tail[a]: requests that accepted at least a drafts, i.e. reached position a + 1; a
+        # request's min(a, j) is its count of positions 1..j passed, so arm j accepts the
+        # sum of tail[1..j].
+        tail = np.cumsum(np.asarray(counts, dtype=float)[::-1])[::-1]
+        passed = np.cumsum(tail[1:])
         for j, prefix in self._prefix.items():
             if j < k:
-                prefix[0] += weight * sum(min(a, j) * c for a, c in enumerate(counts))
-                prefix[1] += weight * n
-        tail = np.cumsum(np.asarray(counts, dtype=float)[::-1])[::-1]  # requests with A >= a
+                prefix[0] += weight * float(passed[j - 1])
+                prefix[1] += weight * float(tail[0])
         self._reached[:k] += weight * tail[:k]
         self._passed[:k] += weight * tail[1:k + 1]
 
