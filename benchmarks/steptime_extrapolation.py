@@ -16,8 +16,9 @@ import math
 
 import numpy as np
 
-from policies import Observation, make_policy
-from tuner.sim.profiles import load_profile
+from policies import Observation, expected_emitted, make_policy
+from policies._model import DEFAULT_CHAIN_DELTA
+from tuner.sim.profiles import CostProfile, load_profile
 from tuner.sim.worlds import WorldProfile, make_world
 
 ARMS = (0, 1, 3, 5, 7)
@@ -25,25 +26,32 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PROFILES = ("seed-kimi-pcie", "h200-moe-qwen3-30b-a3b", "h200-moe-mixtral-8x7b",
             "h200-llama8b", "h100-llama8b")
 STEPS = 50  # decode steps per observation; exact times, no noise
+ALPHA = 0.7  # acceptance of the fed steps (only their step times are read back)
 
 
-def errors(prof: object, drafted_to: int) -> tuple[list[float], list[float]]:
+def exact(prof: CostProfile, b: int, k: int) -> Observation:
+    """``STEPS`` decode steps at the table's step time, acceptance a default chain."""
+    emitted = round(expected_emitted(ALPHA, DEFAULT_CHAIN_DELTA, k) * b * STEPS)
+    return Observation(b, k, STEPS, emitted, emitted - b * STEPS, k * b * STEPS,
+                       STEPS * prof.step_s(b, k))
+
+
+def errors(prof: CostProfile, drafted_to: int) -> tuple[list[float], list[float]]:
     """Log errors and z-scores of the drafting cells at ``4 · drafted_to`` requests."""
     pol = make_policy("model", arms=ARMS, seed=0)
     for _ in range(10):
         for b in BATCHES:
             for k in ARMS:
-                if b <= (drafted_to if k else 4 * drafted_to):
-                    t = prof.step_s(b, k)  # type: ignore[attr-defined]
-                    pol.update(Observation(b, k, STEPS, STEPS * b * (1 + 0.6 * k), STEPS * b,
-                                           STEPS * b * k, STEPS * t))
+                fed = b <= (drafted_to if k else 4 * drafted_to)
+                if fed and not pol.update(exact(prof, b, k)):
+                    raise AssertionError(f"the policy refused b={b} k={k}")
     post = pol._step_times()  # the posterior the policy decides from
     target = 4 * drafted_to
     j = pol.buckets.index(target)
     errs, zs = [], []
     for a, k in enumerate(ARMS):
         if k:
-            e = math.log(prof.step_s(target, k)) - float(post.mean[j, a])  # type: ignore[attr-defined]
+            e = math.log(prof.step_s(target, k)) - float(post.mean[j, a])
             errs.append(e)
             zs.append(e / float(post.sd[j, a]))
     return errs, zs
