@@ -21,6 +21,8 @@
   arm is excluded by the model alone: an arm is tried about as often as the posterior gives
   it a chance of winning, which is small only where the data (not the model's shape) say
   so, so the policy saves exploration where the model fits and spends it where it does not.
+  A draw of an arm the model puts far below the greedy one is also weighed by what its probe
+  costs: run with probability ``_EXPLORE_REGRET`` over the expected loss, past that loss.
   A draw also heeds the goodput the bucket measured at the arm itself (the bandits' whole
   evidence): where the model is unsure of an arm its own measurements have already judged,
   they, not the model's doubt, decide how often it is tried.
@@ -84,6 +86,10 @@ DEFAULT_CHAIN_DELTA = 0.973
 # chains of δ 0.85-1 and acceptance that rises with depth (δ above 1) are all seen.
 _DELTA_PRIOR_SD = 0.1
 DEFAULT_MODEL_SAMPLE_SCALE = 1.0
+# An exploring draw of an arm the model puts this far (a share of goodput) below the greedy
+# arm is always run; one further below, with probability this over its expected loss (an arm
+# at half the greedy one's goodput, one such draw in five).
+_EXPLORE_REGRET = 0.1
 # Young buckets measure the arm with the best mean + OPTIMISM sd first.
 DEFAULT_OPTIMISM = 1.0
 DEFAULT_YOUNG_STEPS = 500
@@ -486,6 +492,16 @@ class ModelPolicy(LearningPolicy):
                 draw = mean + w * (own.mean - mean) + math.sqrt(1 - w) * (draw - mean)
             if draw > best_draw:
                 best_arm, best_draw = arm, draw
+        if best_arm != greedy:
+            # A draw weighs an arm by its chance of winning, not by what a probe costs if it
+            # loses: at large batches a deep arm at half the greedy arm's goodput runs a
+            # decision period of a phase with little decode time in it. Past
+            # _EXPLORE_REGRET, an exploring draw is run with probability _EXPLORE_REGRET /
+            # (the expected loss): rarer the dearer, never never.
+            gi, ai = self.arms.index(greedy), self.arms.index(best_arm)
+            regret = 1.0 - math.exp(min(float(pred[ai, 0] - pred[gi, 0]), 0.0))
+            if regret > _EXPLORE_REGRET and self._rng.random() > _EXPLORE_REGRET / regret:
+                return greedy
         return best_arm
 
     def _estimates(self) -> tuple[ArmEstimate, ...]:

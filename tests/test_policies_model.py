@@ -263,10 +263,14 @@ def test_an_arm_the_bucket_measured_poor_is_not_explored_on_the_models_doubt_alo
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_a_bucket_back_after_minutes_away_explores_on_the_models_doubt_again(seed):
+def test_a_bucket_back_after_minutes_away_explores_on_the_models_doubt_again(monkeypatch, seed):
     # The same history, then five minutes of busy time at 64 requests: what the bucket of
     # one request measured was measured under the acceptance of its time, so it ages as
     # acceptance does, and the model's doubt decides again how often drafting is tried.
+    # (The draws themselves: what a drawn probe would lose is weighed after them, below.)
+    from policies import _model
+
+    monkeypatch.setattr(_model, "_EXPLORE_REGRET", 1.0)
     j = Buckets().index(1)
     p = _explored_rarely((0, 1, 5), seed)
     fresh = sum(p._sample(j, 0) > 0 for _ in range(400))
@@ -360,3 +364,35 @@ def test_a_shift_forgets_what_deeper_drafts_said_of_the_old_requests():
         said = pool.add(3, 100, 800, 400, 1.0)
     assert pool.shape() is None
     assert 1 not in pool.direct()  # k = 1 never ran itself; nothing is left of the old
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_an_exploring_draw_is_weighed_by_what_its_probe_would_lose(monkeypatch, seed):
+    # The Kimi PCIe box: every arm measured at 1-4 requests, k = 0 up to 64. At 64 requests
+    # the model puts k = 7 at about two thirds of k = 0's goodput (the table: 30 %), k = 3 at
+    # four fifths. A draw that picks an arm is run with probability 0.1 / its expected loss:
+    # k = 7 about a quarter as often as its draws pick it, yet still tried.
+    from policies import _model
+    from tuner.sim.profiles import load_profile
+
+    table, arms = load_profile("seed-kimi-pcie"), (0, 1, 3, 5, 7)
+
+    def kimi_obs(b: int, k: int) -> Observation:
+        e = round(expected_emitted(0.7, DEFAULT_CHAIN_DELTA, k) * b * 50)
+        return Observation(b, k, 50, e, e - b * 50, k * b * 50, table.step_s(b, k) * 50)
+
+    picks = {}
+    for weighed in (False, True):
+        monkeypatch.setattr(_model, "_EXPLORE_REGRET", 0.1 if weighed else 1.0)
+        p = make_policy("model", arms=arms, seed=seed)
+        assert isinstance(p, ModelPolicy)
+        for _ in range(10):
+            for b in (1, 2, 4, 8, 16, 32, 64):
+                for k in arms if b <= 4 else (0,):
+                    assert p.update(kimi_obs(b, k))
+        j = p.buckets.index(64)
+        assert p.snapshot().chosen[j] == 0
+        drawn = [p._sample(j, 0) for _ in range(2000)]
+        picks[weighed] = {k: drawn.count(k) for k in arms}
+    assert 0 < picks[True][7] <= picks[False][7] / 2.5, picks
+    assert picks[True][3] >= picks[False][3] / 3, picks

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import random
 
-import pytest
-
 from policies import Buckets, Observation, make_policy
 
 ARMS = (0, 1, 3)
 T0 = {1: 0.3, 4: 0.5}  # seconds per step at k = 0: a few steps a second
 DRAFT_COST = 0.15  # each draft step adds this share of T0: k3 best at α 0.8, k1 at 0.25
 BEFORE_S, AFTER_S = 100.0, 90.0
+RUNS = 40  # seeded closed loops; at most one in ten may end off the best arm
 
 
 def goodput(alpha: float, b: int, k: int) -> float:
@@ -63,9 +62,15 @@ def run(seed: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return before, policy.greedy_arms()
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_a_slow_server_s_acceptance_change_is_followed_within_90_s(seed):
-    before, after = run(seed)
-    # Buckets b<=1 and b<=4 (indices 0 and 2) carry the traffic.
-    assert near_best(0.8, 1, before[0]) and near_best(0.8, 4, before[2]), before
-    assert near_best(0.25, 1, after[0]) and near_best(0.25, 4, after[2]), after
+def test_a_slow_server_s_acceptance_change_is_followed_within_90_s():
+    # After the change k = 1 leads k = 0 by only 9 %, and at a few steps a second with
+    # ±25 % jitter a run can end on the wrong one of the two: the default policy does in
+    # about one closed loop in thirty (3 of seeds 0-99). So the test asks for the rate,
+    # not for any one seed: a policy that did not follow would miss nearly all of them.
+    followed = []
+    for seed in range(RUNS):
+        before, after = run(seed)
+        # Buckets b<=1 and b<=4 (indices 0 and 2) carry the traffic.
+        assert near_best(0.8, 1, before[0]) and near_best(0.8, 4, before[2]), (seed, before)
+        followed.append(near_best(0.25, 1, after[0]) and near_best(0.25, 4, after[2]))
+    assert sum(followed) >= RUNS - RUNS // 10, [s for s, ok in enumerate(followed) if not ok]
