@@ -494,10 +494,10 @@ class ModelPolicy(LearningPolicy):
                 best_arm, best_draw = arm, draw
         if best_arm != greedy:
             # A draw weighs an arm by its chance of winning, not by what a probe costs if it
-            # loses: at large batches a deep arm at half the greedy arm's goodput runs a
-            # decision period of a phase with little decode time in it. Past
+            # loses: at large batches a probe of a deep arm at half the greedy arm's goodput
+            # runs about a decision period, a few points of a minute's traffic. Past
             # _EXPLORE_REGRET, an exploring draw is run with probability _EXPLORE_REGRET /
-            # (the expected loss): rarer the dearer, never never.
+            # (the expected loss): the dearer the rarer, and never ruled out.
             gi, ai = self.arms.index(greedy), self.arms.index(best_arm)
             regret = 1.0 - math.exp(min(float(pred[ai, 0] - pred[gi, 0]), 0.0))
             if regret > _EXPLORE_REGRET and self._rng.random() > _EXPLORE_REGRET / regret:
