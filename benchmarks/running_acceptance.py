@@ -10,7 +10,7 @@ runs one world or profile through the bench's own ``run_one`` and prints per win
 ``k`` = 1, 3, 7 (accepted drafts per request-step):
 
 - **running**: the expectation over the requests running at each decode step, given each
-  one's own acceptance and progress (the engine's survival rows; every step counted, at
+  one's own acceptance and progress (the per-step oracle's; every step counted, at
   whatever arm it ran);
 - **steady**: the workload's steady state at that time;
 - **fed**: what the observations given to the policy measured at that arm, with their
@@ -37,9 +37,8 @@ from tuner.bench import run_one
 from tuner.bench_config import DEFAULT_BENCH_LOAD
 from tuner.bench_worlds import DEFAULT_WORLD_LOAD
 from tuner.sim import engine as sim_engine
+from tuner.sim._step_oracle import StepOracle
 from tuner.sim.oracle import workload_emitted
-from tuner.sim.profiles import load_profile
-from tuner.sim.workloads import get_workload
 from tuner.sim.worlds import make_world
 
 ARMS = (1, 3, 7)
@@ -49,22 +48,32 @@ def measure(*, load: str, window_s: float, seed: int, policy_seed: int | None,
             world: int | None = None, profile: str | None = None,
             workload: str | None = None) -> tuple[dict[int, dict[str, Any]], Any, Any]:
     """Per window index, its sums (``running[i]`` at ``ARMS[i]`` over ``steps`` request-steps,
-    ``fed[k] = [accepted, request-steps]``); and the run's cost profile and workload."""
+    ``fed[k] = [accepted, request-steps]``); and the run's cost profile and workload.
+
+    The running requests' expectation is the per-step oracle's own: it already values every
+    arm for the batch that runs, at every step, as ``(n + expected drafts) / step time``.
+    """
     wins: dict[int, dict[str, Any]] = defaultdict(
         lambda: {"running": [0.0] * len(ARMS), "steps": 0, "fed": defaultdict(lambda: [0, 0])})
-    clock = [0.0]
-    decode, update = sim_engine.Engine._decode, _model.ModelPolicy.update
+    clock, engines = [0.0], []
+    decode, oracle_step = sim_engine.Engine._decode, StepOracle.step
+    update = _model.ModelPolicy.update
 
     def traced_decode(self: Any) -> Any:
-        n = len(self._running)
-        clock[0] = self.now
-        if n:
-            self._rows.sync(n)  # idempotent: the step brings drifting rows to their progress
-            w = wins[int(self.now // window_s)]
-            for i, e in enumerate(self._rows.expected_drafts(n, ARMS)):
-                w["running"][i] += e
-            w["steps"] += n
+        if not engines:
+            engines.append(self)
+        clock[0] = self.now  # the step oracle is told of the step inside
         return decode(self)
+
+    def traced_step(self: StepOracle, rows: Any, n: int, pb: int, k: int, dt: float,
+                    band: int = 0) -> None:
+        oracle_step(self, rows, n, pb, k, dt, band)
+        w = wins[int(clock[0] // window_s)]
+        inv_cost = self._inv_cost[pb]
+        for i, arm in enumerate(ARMS):
+            a = self._index[arm]
+            w["running"][i] += self._values[a] / inv_cost[a] - n
+        w["steps"] += n
 
     def traced_update(self: Any, obs: Any) -> bool:
         if obs.k > 0:
@@ -76,15 +85,14 @@ def measure(*, load: str, window_s: float, seed: int, policy_seed: int | None,
     if world is not None:
         w = make_world(world, 0)
         kw: dict[str, Any] = {"profile": w.name, "workload": "generated", "world": w}
-        prof, wl = w.profile(), w.workload(sum(float(p.split(":")[0]) for p in load.split(",")))
     else:
         assert profile is not None and workload is not None
         kw = {"profile": profile, "workload": workload}
-        prof, wl = load_profile(profile), get_workload(workload)
     with (mock.patch.object(sim_engine.Engine, "_decode", traced_decode),
+          mock.patch.object(StepOracle, "step", traced_step),
           mock.patch.object(_model.ModelPolicy, "update", traced_update)):
         run_one(load=load, policy="model", seed=seed, policy_seed=policy_seed, **kw)
-    return dict(wins), prof, wl
+    return dict(wins), engines[0].profile, engines[0].workload
 
 
 def steady(prof: Any, wl: Any, k: int, t: float) -> float:

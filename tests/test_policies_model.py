@@ -127,10 +127,10 @@ def tiled_step_s(b: int, k: int) -> float:
     return t * 0.85 if n == 128 else t
 
 
-def surface_obs(step: Callable[[int, int], float], b: int, k: int, steps: int = 200
-                ) -> Observation:
+def surface_obs(step: Callable[[int, int], float], b: int, k: int, steps: int = 200,
+                alpha: float = 0.8) -> Observation:
     # Acceptance is the model's own chain, so only the step-time surface can misfit.
-    emitted = round(expected_emitted(0.8, DEFAULT_CHAIN_DELTA, k) * b * steps)
+    emitted = round(expected_emitted(alpha, DEFAULT_CHAIN_DELTA, k) * b * steps)
     return Observation(b, k, steps, emitted, emitted - b * steps, k * b * steps,
                        step(b, k) * steps)
 
@@ -375,12 +375,7 @@ def test_an_exploring_draw_is_weighed_by_what_its_probe_would_lose(monkeypatch, 
     from policies import _model
     from tuner.sim.profiles import load_profile
 
-    table, arms = load_profile("seed-kimi-pcie"), (0, 1, 3, 5, 7)
-
-    def kimi_obs(b: int, k: int) -> Observation:
-        e = round(expected_emitted(0.7, DEFAULT_CHAIN_DELTA, k) * b * 50)
-        return Observation(b, k, 50, e, e - b * 50, k * b * 50, table.step_s(b, k) * 50)
-
+    table, arms = load_profile("seed-kimi-pcie"), ARMS7
     picks = {}
     for weighed in (False, True):
         monkeypatch.setattr(_model, "_EXPLORE_REGRET", 0.1 if weighed else 1.0)
@@ -389,7 +384,7 @@ def test_an_exploring_draw_is_weighed_by_what_its_probe_would_lose(monkeypatch, 
         for _ in range(10):
             for b in (1, 2, 4, 8, 16, 32, 64):
                 for k in arms if b <= 4 else (0,):
-                    assert p.update(kimi_obs(b, k))
+                    assert p.update(surface_obs(table.step_s, b, k, steps=50, alpha=0.7))
         j = p.buckets.index(64)
         assert p.snapshot().chosen[j] == 0
         drawn = [p._sample(j, 0) for _ in range(2000)]
