@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 from tuner.switchback import t975
 
-__all__ = ["Tally", "Verdict", "arm_figures", "compare", "log_ratio", "round_order", "settled"]
+__all__ = ["Tally", "Verdict", "arm_figures", "compare", "log_ratio", "own_ratio", "round_order",
+           "settled"]
 
 
 @dataclass(frozen=True)
@@ -154,3 +155,26 @@ def settled(rounds: Rounds, arms: Sequence[int], tolerance: float) -> bool:
         return all(compare(rounds, arms, k, tolerance).verdict != "unresolved" for k in arms)
     except ValueError:  # an arm not measured yet
         return False
+
+
+def own_ratio(cells: Iterable[tuple[float, int, Tally]], a: int, b: int, block_s: float = 5.0
+              ) -> tuple[float, float, int] | None:
+    """``log(goodput a / goodput b)`` in a daemon's own cells (``(ts, k, tally)`` rows of one
+    bucket), its standard error and the fewer of the two arms' blocks; None if either arm has
+    fewer than two blocks. The arms ran at different times, so the ratio is unpaired: each
+    arm's error takes its ``block_s`` blocks of busy time as units (the machine's load drifts
+    over seconds, and single readings within a block move together)."""
+    per_arm: dict[int, dict[int, Tally]] = {a: {}, b: {}}
+    for ts, k, tally in cells:
+        if k in per_arm:
+            block = int(ts // block_s)
+            per_arm[k][block] = per_arm[k].get(block, Tally()) + tally
+    figures = []
+    for k in (a, b):
+        rounds = [{k: t} for t in per_arm[k].values()]
+        g, units = goodput(rounds, k), _units(rounds, k)
+        if g is None or units is None or len(units) < 2:
+            return None
+        figures.append((g, _se(units), len(units)))
+    (ga, sa, na), (gb, sb, nb) = figures
+    return math.log(ga / gb), math.hypot(sa, sb), min(na, nb)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 import random
 
-from _paired import Tally, arm_figures, compare, log_ratio, round_order, settled
+import pytest
+from _paired import Tally, arm_figures, compare, log_ratio, own_ratio, round_order, settled
 
 ARMS = (0, 1, 3)
 
@@ -80,3 +81,24 @@ def test_the_learned_best_arm_is_within_and_an_unmeasured_arm_is_not_settled():
 def test_every_arm_takes_every_place_in_the_order():
     orders = [round_order(ARMS, r) for r in range(3)]
     assert [o[0] for o in orders] == [0, 1, 3] and all(sorted(o) == list(ARMS) for o in orders)
+
+
+def own_cells(rates: dict[int, float], seconds: int, noise: float, seed: int):
+    """A daemon's readings every 0.5 s, the arm alternating every 10 s (``rates`` in turn),
+    each reading's busy time off by ``noise``."""
+    rng, arms, out = random.Random(seed), list(rates), []
+    for i in range(2 * seconds):
+        k = arms[(i // 20) % len(arms)]
+        out.append((0.5 * i, k, Tally(emitted=round(50 * rates[k]), steps=20,
+                                      busy_s=0.5 * math.exp(rng.gauss(0, noise)))))
+    return out
+
+
+def test_own_cells_compare_arms_that_ran_at_different_times():
+    cells = own_cells({1: 100, 3: 90}, 120, noise=0.05, seed=3)
+    value, se, blocks = own_ratio(cells, 3, 1)
+    assert abs(value - math.log(0.9)) < 2 * se and 0 < se < 0.03 and blocks == 12
+    assert own_ratio(cells, 1, 3)[0] == pytest.approx(-value)
+    assert own_ratio(cells, 0, 1) is None  # an arm the daemon never ran says nothing
+    few = own_cells({1: 100, 3: 90}, 15, noise=0.05, seed=3)  # k3 in one block only
+    assert own_ratio(few, 3, 1) is None
