@@ -321,6 +321,15 @@ def own_cells(db) -> list[tuple[float, int, int, Tally]]:
             if b <= EDGES[-1]]
 
 
+def own_arms(cells, span: list[float], bucket: int) -> dict[int, tuple[float, int]]:
+    """Per arm the daemon ran in ``bucket`` over ``span``: its goodput and decode steps."""
+    tally: dict[int, Tally] = {}
+    for ts, b, k, t in cells:
+        if b == bucket and span[0] <= ts < span[1]:
+            tally[k] = tally.get(k, Tally()) + t
+    return {k: (t.emitted / t.busy_s, t.steps) for k, t in sorted(tally.items()) if t.busy_s > 0}
+
+
 def own_verdict(cells, span: list[float], row: dict) -> dict:
     """The learned arm against the pinned best in the daemon's own cells of the row's bucket
     over ``span`` (the level's seconds): does it, too, put the learned arm short by more than
@@ -378,6 +387,9 @@ def test_the_learned_table_matches_the_measured_best_arm(plugin_server, workdir,
         print(f"\nalpha {alpha}: learned {tables[alpha]}")
         for r in rows:
             print(describe(r))
+            r["own_arms"] = own_arms(cells, spans[alpha], r["bucket"])
+            print("    the daemon's own cells: " + "  ".join(
+                f"k{k} {g:.0f} tok/s ({steps} steps)" for k, (g, steps) in r["own_arms"].items()))
             # Decisively worse is worse by both instruments: on a loaded machine busy time
             # alone can rank two arms by the load each slice met (tokens per CPU-second
             # moved less, and disagreed with it in one of three runs).
@@ -385,7 +397,7 @@ def test_the_learned_table_matches_the_measured_best_arm(plugin_server, workdir,
                 row = (alpha, r["bucket"], r["chosen"], r["best"], r["gap"])
                 own = own_verdict(cells, spans[alpha], r)
                 r["own_cells"] = own
-                print(f"    the daemon's own cells: {own['text']}")
+                print(f"    against the pinned best: {own['text']}")
                 if r["gap"] > KNOWN_SHORT_BOUND:
                     failures.append(row)
                 elif (alpha, r["bucket"]) in KNOWN_SHORT:
