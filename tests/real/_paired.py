@@ -157,11 +157,11 @@ def settled(rounds: Rounds, arms: Sequence[int], tolerance: float) -> bool:
         return False
 
 
-def own_ratio(cells: Iterable[tuple[float, int, Tally]], a: int, b: int, block_s: float = 5.0
-              ) -> tuple[float, float, int] | None:
+def own_ratio(cells: Iterable[tuple[float, int, Tally]], a: int, b: int, block_s: float = 5.0,
+              min_blocks: int = 2) -> tuple[float, float, int] | None:
     """``log(goodput a / goodput b)`` in a daemon's own cells (``(ts, k, tally)`` rows of one
     bucket), its standard error and the fewer of the two arms' blocks; None if either arm has
-    fewer than two blocks. The arms ran at different times, so the ratio is unpaired: each
+    fewer than ``min_blocks`` blocks (two at least: the error needs a spread). The arms ran at different times, so the ratio is unpaired: each
     arm's error takes its ``block_s`` blocks of busy time as units (the machine's load drifts
     over seconds, and single readings within a block move together)."""
     per_arm: dict[int, dict[int, Tally]] = {a: {}, b: {}}
@@ -173,7 +173,7 @@ def own_ratio(cells: Iterable[tuple[float, int, Tally]], a: int, b: int, block_s
     for k in (a, b):
         rounds = [{k: t} for t in per_arm[k].values()]
         g, units = goodput(rounds, k), _units(rounds, k)
-        if g is None or units is None or len(units) < 2:
+        if g is None or units is None or len(units) < max(min_blocks, 2):
             return None
         figures.append((g, _se(units), len(units)))
     (ga, sa, na), (gb, sb, nb) = figures

@@ -324,23 +324,26 @@ def own_cells(db) -> list[tuple[float, int, int, Tally]]:
             if b <= EDGES[-1]]
 
 
-def own_arms(cells, span: list[float], bucket: int) -> dict[int, tuple[float, int]]:
-    """Per arm the daemon ran in ``bucket`` over ``span``: its goodput and decode steps."""
+def in_level(cells, span: list[float], bucket: int) -> list[tuple[float, int, Tally]]:
+    """The ``(ts, k, tally)`` rows of ``cells`` in ``bucket`` over ``span`` (a level's seconds)."""
+    return [(ts, k, t) for ts, b, k, t in cells if b == bucket and span[0] <= ts < span[1]]
+
+
+def own_arms(mine) -> dict[int, tuple[float, int]]:
+    """Per arm the daemon ran in ``mine`` (:func:`in_level`): its goodput and decode steps."""
     tally: dict[int, Tally] = {}
-    for ts, b, k, t in cells:
-        if b == bucket and span[0] <= ts < span[1]:
-            tally[k] = tally.get(k, Tally()) + t
+    for _, k, t in mine:
+        tally[k] = tally.get(k, Tally()) + t
     return {k: (t.emitted / t.busy_s, t.steps) for k, t in sorted(tally.items()) if t.busy_s > 0}
 
 
-def own_verdict(cells, span: list[float], row: dict) -> dict:
-    """The learned arm against the pinned best in the daemon's own cells of the row's bucket
-    over ``span`` (the level's seconds): does it, too, put the learned arm short by more than
-    the tolerance and two standard errors (OWN_CELLS)?"""
-    chosen, best, bk = row["chosen"], row["best"], row["bucket"]
-    mine = [(ts, k, t) for ts, b, k, t in cells if b == bk and span[0] <= ts < span[1]]
-    ratio = own_ratio(mine, chosen, best)
-    if ratio is None or ratio[2] < OWN_CELLS_MIN_BLOCKS:
+def own_verdict(mine, row: dict) -> dict:
+    """The learned arm against the pinned best in the daemon's own cells of the row's level
+    and bucket (``mine``, :func:`in_level`): do they, too, put the learned arm short by more
+    than the tolerance and two standard errors (OWN_CELLS)?"""
+    chosen, best = row["chosen"], row["best"]
+    ratio = own_ratio(mine, chosen, best, min_blocks=OWN_CELLS_MIN_BLOCKS)
+    if ratio is None:
         return {"agrees": False, "text": f"too few of k{chosen} and k{best} to say"}
     value, se, blocks = ratio
     agrees = value >= math.log(1 - TOLERANCE) - 2 * se
@@ -390,7 +393,8 @@ def test_the_learned_table_matches_the_measured_best_arm(plugin_server, workdir,
         print(f"\nalpha {alpha}: learned {tables[alpha]}")
         for r in rows:
             print(describe(r))
-            r["own_arms"] = own_arms(cells, spans[alpha], r["bucket"])
+            mine = in_level(cells, spans[alpha], r["bucket"])
+            r["own_arms"] = own_arms(mine)
             print("    the daemon's own cells: " + "  ".join(
                 f"k{k} {g:.0f} tok/s ({steps} steps)" for k, (g, steps) in r["own_arms"].items()))
             # Decisively worse is worse by both instruments: on a loaded machine busy time
@@ -398,7 +402,7 @@ def test_the_learned_table_matches_the_measured_best_arm(plugin_server, workdir,
             # moved less, and disagreed with it in one of three runs).
             if not r["ok"] and r["cpu"]["verdict"] == "worse":
                 row = (alpha, r["bucket"], r["chosen"], r["best"], r["gap"])
-                own = own_verdict(cells, spans[alpha], r)
+                own = own_verdict(mine, r)
                 r["own_cells"] = own
                 print(f"    against the pinned best: {own['text']}")
                 if r["gap"] > KNOWN_SHORT_BOUND:
