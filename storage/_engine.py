@@ -65,9 +65,11 @@ class StorageCore:
     _engine: Engine
     _sessions: sessionmaker[Session]
     # Whether the history has schema v2's observation columns (moments, roll-up marker) and
-    # v3's server columns (model); only a read-only look at an older history lacks them.
+    # v3's server columns (model) and v4's acceptance tables; only a read-only look at an
+    # older history lacks them.
     _v2: bool
     _v3: bool
+    _v4: bool
 
     def _open(self, url: str, *, busy_timeout_s: float, read_only: bool, echo: bool) -> None:
         self._raw_url = url

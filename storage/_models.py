@@ -15,8 +15,10 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 # migrates older ones step by step. v2: observations carry their own moments (interval count,
 # sums of squares) and a roll-up marker, so old rows can be merged without losing what the
 # report's intervals need. v3: servers carry the model they run and since when, so a server
-# redeployed with another model is not warm-started from what the old one taught.
-SCHEMA_VERSION = 3
+# redeployed with another model is not warm-started from what the old one taught. v4: the
+# acceptance evidence of protocol v2 (band and depth counters), so a restarted daemon's
+# policy starts with the bands it had learnt; new tables only, nothing to migrate in place.
+SCHEMA_VERSION = 4
 
 # SQLite only auto-increments an INTEGER PRIMARY KEY; PostgreSQL gets a BIGINT identity.
 _BigId = BigInteger().with_variant(Integer(), "sqlite")
@@ -99,6 +101,42 @@ OBSERVATION_V2_COLUMNS: tuple[tuple[str, str], ...] = (
     ("busy_sq", "DOUBLE PRECISION"),
     ("rollup_bin_s", "DOUBLE PRECISION"),
 )
+
+
+class BandObservationModel(Base):
+    """Schema v4: one interval's drafting in one acceptance band at one arm and batch-size
+    class (a protocol v2 band counter's delta). Kept for warm starts only, so old rows are
+    dropped, not rolled up (``Storage.rollup``)."""
+
+    __tablename__ = "band_observations"
+    __table_args__ = (Index("ix_band_observations_server_ts", "server_id", "ts"),)
+
+    id: Mapped[pk]
+    server_id: Mapped[int] = mapped_column(ForeignKey("servers.id", ondelete="CASCADE"))
+    ts: Mapped[epoch_s]
+    band: Mapped[int] = mapped_column(Integer)
+    k: Mapped[int] = mapped_column(Integer)
+    decode_steps: Mapped[counter]
+    request_steps: Mapped[counter]
+    accepted_drafts: Mapped[counter]
+    first_counted: Mapped[counter]
+    first_rejected: Mapped[counter]
+
+
+class DepthCountsModel(Base):
+    """Schema v4: one interval's depth counters at one chain arm ``k >= 2``: how many
+    sampled requests accepted 0..k drafts (JSON list), one decode step in ``every``
+    counted. For warm starts only, as :class:`BandObservationModel`."""
+
+    __tablename__ = "depth_counts"
+    __table_args__ = (Index("ix_depth_counts_server_ts", "server_id", "ts"),)
+
+    id: Mapped[pk]
+    server_id: Mapped[int] = mapped_column(ForeignKey("servers.id", ondelete="CASCADE"))
+    ts: Mapped[epoch_s]
+    k: Mapped[int] = mapped_column(Integer)
+    counts_json: Mapped[str] = mapped_column(Text)
+    every: Mapped[int] = mapped_column(Integer)
 
 
 class PolicyVersionModel(Base):

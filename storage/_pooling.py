@@ -3,15 +3,16 @@ daemons sharing one database follow what their pool-mates record."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from typing import Any
 
 from sqlalchemy import func, or_, select
 
 from storage._engine import StorageCore
-from storage._models import ObservationModel, ServerModel
-from storage._records import ObservationRecord
-from storage._sql import obs_query
+from storage._models import BandObservationModel, DepthCountsModel, ObservationModel, ServerModel
+from storage._records import BandObservationRecord, DepthCountsRecord, ObservationRecord
+from storage._sql import in_window, obs_query
 
 __all__ = ["DEFAULT_WARM_START_ROWS", "PoolingMixin"]
 
@@ -45,11 +46,7 @@ class PoolingMixin(StorageCore):
         ``run --pool``) count as well as the server's own; with ``model`` too, only those of
         pool-mates last seen running that model (or never seen saying)."""
         q = obs_query(None if pool is not None else server, since, None, arms)
-        if pool is not None:
-            mates = ServerModel.pool == pool
-            if model is not None and self._v3:
-                mates &= or_(ServerModel.model.is_(None), ServerModel.model == model)
-            q = q.where(or_(ServerModel.address == server, mates))
+        q = self._pooled(q, server, pool, model)
         q = (
             q.order_by(ObservationModel.ts.desc(), ObservationModel.id.desc())
             .limit(limit)
@@ -58,6 +55,58 @@ class PoolingMixin(StorageCore):
             rows = [ObservationRecord(*row) for row in s.execute(q)]
         rows.reverse()
         return rows
+
+    def warm_start_acceptance(
+        self,
+        server: str,
+        *,
+        arms: Iterable[int],
+        since: float | None = None,
+        limit: int = DEFAULT_WARM_START_ROWS,
+        pool: str | None = None,
+        model: str | None = None,
+    ) -> tuple[list[BandObservationRecord], list[DepthCountsRecord]]:
+        """The latest ``limit`` band observations and depth counts of ``server`` at one of
+        ``arms`` since ``since``, each oldest first: the acceptance evidence a restarted
+        daemon replays beside :meth:`warm_start`'s observations (pass the first replayed
+        observation's time as ``since`` so both cover one span). ``pool`` and ``model`` as
+        there. Empty on a history from before schema v4, or rows older than the roll-up age
+        (they are dropped, not merged: :meth:`rollup`)."""
+        if not self._v4:  # a read-only look at an older history
+            return [], []
+        wanted = sorted({int(a) for a in arms})
+        b, d = BandObservationModel, DepthCountsModel
+        bq = select(ServerModel.address, b.ts, b.band, b.k, b.decode_steps, b.request_steps,
+                    b.accepted_drafts, b.first_counted, b.first_rejected)
+        dq = select(ServerModel.address, d.ts, d.k, d.counts_json, d.every)
+        out: list[list[Any]] = []
+        with self._session_scope("reading acceptance evidence for a warm start") as s:
+            for model_cls, q in ((b, bq), (d, dq)):
+                q = q.join(ServerModel, model_cls.server_id == ServerModel.id)
+                if pool is None:
+                    q = q.where(ServerModel.address == server)
+                q = in_window(self._pooled(q, server, pool, model), model_cls.ts, since, None)
+                q = (q.where(model_cls.k.in_(wanted))
+                     .order_by(model_cls.ts.desc(), model_cls.id.desc()).limit(limit))
+                out.append(list(s.execute(q))[::-1])
+        bands = [BandObservationRecord(*row) for row in out[0]]
+        depths = []
+        for addr, ts, k, counts, every in out[1]:
+            try:
+                depths.append(DepthCountsRecord(addr, ts, k, tuple(json.loads(counts)), every))
+            except (ValueError, TypeError):  # a hand-edited row: a warm start goes without it
+                continue
+        return bands, depths
+
+    def _pooled(self, q: Any, server: str, pool: str | None, model: str | None) -> Any:
+        """``q`` over ``server``'s rows and, with ``pool``, its pool-mates' (with ``model``:
+        those last seen running it, or never seen saying)."""
+        if pool is None:
+            return q
+        mates = ServerModel.pool == pool
+        if model is not None and self._v3:
+            mates &= or_(ServerModel.model.is_(None), ServerModel.model == model)
+        return q.where(or_(ServerModel.address == server, mates))
 
     def last_observation_id(self) -> int:
         """The highest observation id stored (0 when none): where a pool reader starts."""

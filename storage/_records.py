@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 __all__ = [
     "EVENT_KINDS",
+    "BandObservationRecord",
+    "DepthCountsRecord",
     "EventRecord",
     "ObservationAggregate",
     "ObservationMoments",
@@ -87,6 +89,42 @@ class ObservationRecord:
     @property
     def goodput(self) -> float:
         return self.emitted_tokens / self.busy_s if self.busy_s > 0 else math.nan
+
+
+@dataclass(frozen=True, slots=True)
+class BandObservationRecord:
+    """Drafting of ``server`` in acceptance band ``band`` (1..) at arm ``k`` over the interval
+    ending at ``ts``, on batches of one batch-size class (a protocol v2 band counter's delta;
+    the class shows as ``request_steps / decode_steps``): of its request-steps,
+    ``first_rejected`` of the ``first_counted`` looked at accepted no draft."""
+
+    server: str
+    ts: float
+    band: int
+    k: int
+    decode_steps: int
+    request_steps: int
+    accepted_drafts: int
+    first_counted: int = 0
+    first_rejected: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class DepthCountsRecord:
+    """How many of the requests sampled at chain arm ``k`` of ``server`` over the interval
+    ending at ``ts`` accepted each of ``0..k`` drafts (``counts``), sampling one decode step
+    in ``every`` (a protocol v2 depth counter's delta)."""
+
+    server: str
+    ts: float
+    k: int
+    counts: tuple[int, ...]
+    every: int = 1
+
+    def __post_init__(self) -> None:
+        if self.k < 1 or len(self.counts) != self.k + 1 or min(self.counts) < 0 or self.every < 1:
+            raise ValueError(f"depth counts must be k + 1 non-negative counts at k >= 1, "
+                             f"every >= 1: k={self.k} counts={self.counts} every={self.every}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,13 @@ from typing import Any
 from sqlalchemy import BigInteger, Double, cast, delete, func, insert, literal, or_, select, text
 
 from storage._engine import StorageCore, log
-from storage._models import ObservationModel, SchemaVersionModel, ServerModel
+from storage._models import (
+    BandObservationModel,
+    DepthCountsModel,
+    ObservationModel,
+    SchemaVersionModel,
+    ServerModel,
+)
 from storage._sql import counter_sums, row_moments, time_bin
 
 __all__ = ["RollupMixin"]
@@ -43,6 +49,10 @@ class RollupMixin(StorageCore):
         server so it uses the ``(server, ts)`` index. Readers never block; on PostgreSQL
         writers of observations wait for it (a table lock: a row committed while it runs
         is neither lost nor merged twice, and two daemons rolling up at once serialise).
+
+        The acceptance evidence of protocol v2 servers (band observations and depth counts,
+        which serve warm starts only) older than the same cutoff is dropped, not merged:
+        a policy's acceptance memory has long forgotten it.
 
         Live pool readers (:meth:`pool_observations`) skip rolled-up rows, which get new
         ids: a reader that has read the merged rows counts nothing twice. It must have read
@@ -84,6 +94,15 @@ class RollupMixin(StorageCore):
             server_ids = list(s.scalars(ids))
             # Rows above this id (SQLite: committed after it was read) wait for the next
             # roll-up; the merged rows, inserted above it, are never deleted below.
+            dropped = 0
+            for model in (BandObservationModel, DepthCountsModel):
+                dropped += s.execute(
+                    delete(model.__table__).where(model.server_id.in_(server_ids),
+                                                  model.ts < cutoff)
+                ).rowcount
+            if dropped:
+                log.info("%s: dropped %d band and depth rows before %.0f", self.url, dropped,
+                         cutoff)
             top = s.scalar(select(func.max(o.id)))
             if top is None:
                 return 0

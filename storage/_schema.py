@@ -28,7 +28,7 @@ class SchemaMixin(StorageCore):
     """Creates, checks and migrates the history tables when a :class:`Storage` opens."""
 
     def _prepare(self) -> None:
-        self._v2 = self._v3 = True
+        self._v2 = self._v3 = self._v4 = True
         if self.read_only:
             with self._session_scope("reading the schema version") as s:
                 try:
@@ -40,6 +40,7 @@ class SchemaMixin(StorageCore):
                 # the columns it has.
                 self._v2 = row is None or row.version >= 2
                 self._v3 = row is None or row.version >= 3
+                self._v4 = row is None or row.version >= 4
             return
         try:
             Base.metadata.create_all(self._engine)
@@ -91,7 +92,8 @@ class SchemaMixin(StorageCore):
 
         v1 -> v2 adds observations' moment columns and roll-up marker (NULL moments mean
         "the row's own values", so no row is rewritten: instant on any size); v2 -> v3 adds
-        the servers' model and since when (NULL: not known, all rows count). Safe against
+        the servers' model and since when (NULL: not known, all rows count); v3 -> v4 adds
+        only tables (band observations, depth counts), which ``create_all`` made already. Safe against
         a second daemon migrating at the same time: PostgreSQL serialises on the version
         row; on SQLite a column the other one added first is seen on the retry.
         """

@@ -8,8 +8,21 @@ from collections.abc import Sequence
 
 from sqlalchemy import insert
 
-from storage._models import EventModel, ObservationModel, PolicyVersionModel
-from storage._records import EventRecord, ObservationRecord, PolicyVersionRecord, ServerSeen
+from storage._models import (
+    BandObservationModel,
+    DepthCountsModel,
+    EventModel,
+    ObservationModel,
+    PolicyVersionModel,
+)
+from storage._records import (
+    BandObservationRecord,
+    DepthCountsRecord,
+    EventRecord,
+    ObservationRecord,
+    PolicyVersionRecord,
+    ServerSeen,
+)
 from storage._servers import ServersMixin
 
 __all__ = ["WritesMixin"]
@@ -25,17 +38,23 @@ class WritesMixin(ServersMixin):
         observations: Sequence[ObservationRecord] = (),
         policy_versions: Sequence[PolicyVersionRecord] = (),
         events: Sequence[EventRecord] = (),
+        bands: Sequence[BandObservationRecord] = (),
+        depths: Sequence[DepthCountsRecord] = (),
     ) -> None:
-        """Write everything one tick produced in a single transaction (all or nothing).
+        """Write everything one tick produced in a single transaction (all or nothing):
+        ``bands`` and ``depths`` are the acceptance evidence of protocol v2 servers, kept
+        for warm starts (:meth:`warm_start_acceptance`).
 
         Raises:
             StorageError: nothing was written; the caller may retry the same rows later.
         """
-        if not (servers or observations or policy_versions or events):
+        if not (servers or observations or policy_versions or events or bands or depths):
             return
         self._refuse_if_read_only("record")
         addresses = (
             {o.server for o in observations}
+            | {r.server for r in bands}
+            | {r.server for r in depths}
             | {p.server for p in policy_versions}
             | {e.server for e in events if e.server is not None}
         )
@@ -76,8 +95,34 @@ class WritesMixin(ServersMixin):
                 }
                 for e in events
             ]
+            band_rows = [
+                {
+                    "server_id": ids[r.server],
+                    "ts": r.ts,
+                    "band": r.band,
+                    "k": r.k,
+                    "decode_steps": r.decode_steps,
+                    "request_steps": r.request_steps,
+                    "accepted_drafts": r.accepted_drafts,
+                    "first_counted": r.first_counted,
+                    "first_rejected": r.first_rejected,
+                }
+                for r in bands
+            ]
+            depth_rows = [
+                {
+                    "server_id": ids[r.server],
+                    "ts": r.ts,
+                    "k": r.k,
+                    "counts_json": json.dumps(list(r.counts)),
+                    "every": r.every,
+                }
+                for r in depths
+            ]
             for model, rows in (
                 (ObservationModel, obs_rows),
+                (BandObservationModel, band_rows),
+                (DepthCountsModel, depth_rows),
                 (PolicyVersionModel, version_rows),
                 (EventModel, event_rows),
             ):

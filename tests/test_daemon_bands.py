@@ -432,3 +432,42 @@ def test_the_status_shows_a_live_probe_until_the_server_reports_it_spent(tmp_pat
     assert d.status().servers[0].probes == ()
     assert "probing" not in status_lines(d.status())[0]
     d.shutdown()
+
+
+def _without(db, *tables: str) -> None:
+    import sqlite3
+
+    con = sqlite3.connect(db)
+    for t in tables:
+        con.execute(f"DELETE FROM {t}")  # noqa: S608 (the tests' own table names)
+    con.commit()
+    con.close()
+
+
+def test_a_restarted_daemon_starts_on_the_banded_table_it_left(tmp_path):
+    """The band and depth evidence is kept in the history: a restarted daemon's policy
+    replays it with the observations, and its first greedy table is the one the first
+    daemon left. Without those rows it starts over on the bands (the control)."""
+    import shutil
+
+    with Sim() as sim:
+        d = _run(sim, tmp_path, 150)
+        left = d.greedy_table(sim.addr)
+        d.shutdown()
+        with Storage(f"sqlite:///{tmp_path / 'h.db'}", read_only=True) as st:
+            bands, depths = st.warm_start_acceptance(sim.addr, arms=(0, 1, 3, 5, 7))
+        shutil.copy(tmp_path / "h.db", tmp_path / "bare.db")
+        _without(tmp_path / "bare.db", "band_observations", "depth_counts")
+        tables = {}
+        for db in ("h.db", "bare.db"):
+            config = TunerConfig(servers=(sim.addr,), interval_s=1.0, decision_period_s=5.0,
+                                 policy="model", seed=1, db_url=f"sqlite:///{tmp_path / db}",
+                                 dry_run=True)
+            again = Daemon(config, storage=Storage(config.db_url), clock=FakeClock(10_000.0))
+            again.run_once()  # the first reading builds the policy from the history
+            tables[db] = again.greedy_table(sim.addr)
+            again.shutdown()
+    assert not is_uniform(left)
+    assert len(bands) > 100 and {r.band for r in bands} >= {1, 2, 3} and depths
+    assert tables["h.db"] == left
+    assert tables["bare.db"] != left

@@ -9,6 +9,8 @@ import pytest
 
 import storage
 from storage import (
+    BandObservationRecord,
+    DepthCountsRecord,
     EventRecord,
     ObservationRecord,
     PolicyVersionRecord,
@@ -108,6 +110,36 @@ def test_warm_start_returns_latest_rows_of_the_arms_oldest_first(db_url):
         assert [(o.ts, o.k) for o in rows] == [(4.0, 1), (6.0, 0), (7.0, 1), (9.0, 0)]
         assert all(o.server == A for o in st.warm_start(A, arms=(0, 1, 2)))
         assert st.warm_start("nobody:1", arms=(0,)) == []
+
+
+def test_acceptance_evidence_is_kept_for_warm_starts_oldest_first(db_url):
+    """Band observations and depth counts (protocol v2) round-trip, filtered as observations
+    are (server, arms, since, pool), and the roll-up drops the old ones."""
+    def band(server, ts, k=3, band=2):
+        return BandObservationRecord(server, ts, band, k, 10, 40, 70, 40, 9)
+
+    with Storage(db_url) as st:
+        st.record_tick(
+            servers=[ServerSeen(A, (0, 1, 3), 0.0, pool="p"), ServerSeen(B, (0, 1, 3), 0.0,
+                                                                       pool="p")],
+            observations=[obs(A, 1.0, 4, 3)],
+            bands=[band(A, float(t), k=3 if t % 2 else 1) for t in range(1, 7)] + [band(B, 3.5)],
+            depths=[DepthCountsRecord(A, 2.0, 3, (5, 4, 3, 28), 8),
+                    DepthCountsRecord(B, 3.0, 3, (1, 0, 0, 9), 8)],
+        )
+        bands, depths = st.warm_start_acceptance(A, arms=(0, 3), since=2.0)
+        assert [(r.ts, r.k) for r in bands] == [(3.0, 3), (5.0, 3)]
+        assert bands[0] == band(A, 3.0)
+        assert depths == [DepthCountsRecord(A, 2.0, 3, (5, 4, 3, 28), 8)]
+        bands, depths = st.warm_start_acceptance(A, arms=(3,), pool="p", limit=2)
+        assert [(r.server, r.ts) for r in bands] == [(B, 3.5), (A, 5.0)]
+        assert [r.server for r in depths] == [A, B]
+        assert st.warm_start_acceptance("nobody:1", arms=(3,)) == ([], [])
+        st.rollup(older_than=4.0, bin_s=1.0)
+        bands, depths = st.warm_start_acceptance(A, arms=(1, 3), pool="p")
+        assert [r.ts for r in bands] == [4.0, 5.0, 6.0] and depths == []
+    with pytest.raises(ValueError, match="depth counts"):
+        DepthCountsRecord(A, 1.0, 3, (1, 2, 3), 8)
 
 
 def test_events_filters_include_daemon_events(db_url):

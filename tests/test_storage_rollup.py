@@ -12,7 +12,7 @@ import sqlite3
 import pytest
 
 from policies import Buckets
-from storage import ObservationRecord, ServerSeen, Storage
+from storage import SCHEMA_VERSION, ObservationRecord, ServerSeen, Storage
 from tests.test_daemon import A as SRV
 from tests.test_daemon import FakeClock, FakeServer, make_daemon, tick
 from tuner.config import TunerConfig
@@ -249,10 +249,11 @@ def test_a_v1_file_migrates_on_open_and_rolls_up(tmp_path):
     with Storage(url, read_only=True) as ro:
         assert ro.schema_version == 1
         assert [(x.address, x.model) for x in ro.servers()] == [(A, None)]  # no such column
+        assert ro.warm_start_acceptance(A, arms=(0, 1, 3)) == ([], [])  # no such table
         v1_moments, v1_totals = moments(ro), totals(ro)
         assert sum(v[0] for v in v1_totals.values()) == len(rows)
     with Storage(url) as st:
-        assert st.schema_version == 3
+        assert st.schema_version == SCHEMA_VERSION == 4
         assert st.observations() == sorted(rows, key=lambda r: r.ts)
         assert_moments_equal(moments(st), v1_moments)
         assert st.rollup(older_than=T0 + 2 * HOUR, bin_s=HOUR) > 0
@@ -263,8 +264,11 @@ def test_a_v1_file_migrates_on_open_and_rolls_up(tmp_path):
     assert {"n_intervals", "emitted_sq", "emitted_busy", "busy_sq", "rollup_bin_s"} <= cols
     cols = {r[1] for r in sqlite3.connect(path).execute("PRAGMA table_info(servers)")}
     assert {"model", "model_since"} <= cols
+    tables = {r[0] for r in sqlite3.connect(path).execute(
+        "SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert {"band_observations", "depth_counts"} <= tables  # v4
     with Storage(url) as again:  # opening a migrated file again is a no-op
-        assert again.schema_version == 3
+        assert again.schema_version == SCHEMA_VERSION
 
 
 # --- configuration and the daemon ----------------------------------------------------------------

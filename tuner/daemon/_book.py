@@ -10,11 +10,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from policies import BandObservation, BandTable, BasePolicy, Buckets, Observation, PolicySnapshot
-from storage import ObservationRecord, Storage
+from storage import BandObservationRecord, DepthCountsRecord, ObservationRecord, Storage
 from tuner.config import TunerConfig
-from tuner.daemon._records import DEFAULT_POOL_LOOKBACK_IDS, _PoolKey, _Server
+from tuner.daemon._records import DEFAULT_POOL_LOOKBACK_IDS, LearningRow, _PoolKey, _Server
 from tuner.errors import StorageError
-from tuner.protocol import Table
+from tuner.protocol import BAND_EDGES, Table
 
 log = logging.getLogger("tuner.daemon")  # one logger name for the whole loop
 
@@ -121,10 +121,12 @@ class _PolicyBook:
         srv.desired, srv.needs_push, srv.rejected_table = None, False, None
 
 
-    def _build_policy(self, srv: _Server, arms: tuple[int, ...]) -> None:
+    def _build_policy(self, srv: _Server, arms: tuple[int, ...], banded: bool = False) -> None:
         """A fresh policy for ``arms``, warm-started from this server's history (with a pool:
         the pool's shared policy for this model and these arms, built and warm-started once);
-        not warm-started right after the server changed model (``fresh_history``)."""
+        not warm-started right after the server changed model (``fresh_history``). With
+        ``banded`` (the server speaks protocol v2, no tree) a policy that learns per band is
+        given its bands first, so the warm start replays the stored band evidence too."""
         warm, srv.fresh_history = not srv.fresh_history, False
         srv.arms = arms
         srv.bands_set = False  # a fresh policy of its own learns no bands until told to
@@ -136,16 +138,17 @@ class _PolicyBook:
             except StorageError as exc:
                 log.warning("%s: the history is unavailable: %s", srv.address, exc)
         if self.config.pool is None:
-            self._new_policy(srv, arms, warm=warm)
+            srv.bands_set = self._new_policy(srv, arms, warm=warm, banded=banded)
             return
         with self._pool_lock:  # two replicas read for the first time at once build one
             self._check_pool_models(srv)
             key = (srv.model, arms, srv.tree)
             shared = self._pool_policies.get(key)
             if shared is None:
-                self._new_policy(srv, arms, warm=warm)
+                bands_set = self._new_policy(srv, arms, warm=warm, banded=banded)
                 if srv.policy is not None:
                     shared = _PoolPolicy(srv.policy, srv.pool_from_id)
+                    shared.bands_set = bands_set
                     self._pool_policies[key] = shared
             srv.policy = shared
 
@@ -180,7 +183,9 @@ class _PolicyBook:
                 ", ".join(f"{a} runs {m or 'an unnamed model'}" for a, m in sorted(known.items())),
             )
 
-    def _new_policy(self, srv: _Server, arms: tuple[int, ...], *, warm: bool = True) -> None:
+    def _new_policy(self, srv: _Server, arms: tuple[int, ...], *, warm: bool = True,
+                    banded: bool = False) -> bool:
+        """Build ``srv``'s policy and warm-start it; True if it was given bands."""
         try:
             policy = self._policy_factory(arms, self.buckets)
             if srv.tree is not None:  # before any update: the tree's arm verifies more tokens
@@ -193,37 +198,50 @@ class _PolicyBook:
                 srv.policy_error = str(exc)
                 log.error("%s: policy %s cannot work with arms %s (%s); reading and recording "
                           "only", srv.address, self.config.policy, list(arms), exc)
-            return
+            return False
         srv.policy_error = None
-        rows: list[ObservationRecord] = []
+        bands_set = banded and callable(getattr(policy, "set_bands", None))
+        if bands_set:
+            policy.set_bands(BAND_EDGES)
+        rows: list[LearningRow] = []
         if self.storage is not None and warm:
             try:
                 if self.config.pool is not None:
                     srv.pool_from_id = self.storage.last_observation_id()
                 warm, since = self._history_of_this_model(srv)
                 if warm:
-                    rows = self.storage.warm_start(srv.address, arms=arms, since=since,
-                                                   pool=self.config.pool, model=srv.model)
+                    rows = self._stored_rows(srv, arms, since)
             except StorageError as exc:
                 log.warning("%s: no warm start, the history is unavailable: %s",
                             srv.address, exc)
-        allowed = set(arms)
         pending = self._buffer.pending(srv.address) if warm else []
-        used = steps = 0
-        for r in [*rows, *pending]:
-            if r.k not in allowed:
-                continue
-            if policy.update(
-                Observation(r.b, r.k, r.decode_steps, r.emitted_tokens, r.accepted_drafts,
-                            r.drafted_tokens, r.busy_s)
-            ):
-                used += 1
-                steps += r.decode_steps
-        if used:
+        counts = _replay(policy, [*rows, *pending], set(arms), bands_set)
+        if counts[ObservationRecord]:
             pooled = f" (pool {self.config.pool})" if self.config.pool is not None else ""
-            log.info("%s: warm start from %d stored observations%s (%d decode steps)",
-                     srv.address, used, pooled, steps)
+            extra = "".join(
+                f", {n} {what}" for n, what in ((counts[BandObservationRecord], "band rows"),
+                                                (counts[DepthCountsRecord], "depth counts"))
+                if n)
+            log.info("%s: warm start from %d stored observations%s (%d decode steps%s)",
+                     srv.address, counts[ObservationRecord], pooled, counts["steps"], extra)
         srv.policy = policy
+        return bands_set
+
+    def _stored_rows(self, srv: _Server, arms: tuple[int, ...],
+                     since: float | None) -> list[LearningRow]:
+        """The history a fresh policy replays, in the order it was learnt: the latest
+        observations, and the band and depth rows over the same span, by time (within a
+        tick: observations, bands, depths, as :meth:`_learn` feeds them)."""
+        assert self.storage is not None
+        pool, model = self.config.pool, srv.model
+        obs = self.storage.warm_start(srv.address, arms=arms, since=since, pool=pool,
+                                      model=model)
+        if not obs:
+            return []
+        bands, depths = self.storage.warm_start_acceptance(
+            srv.address, arms=arms, since=obs[0].ts, pool=pool, model=model)
+        rank = {ObservationRecord: 0, BandObservationRecord: 1, DepthCountsRecord: 2}
+        return sorted([*obs, *bands, *depths], key=lambda r: (r.ts, rank[type(r)]))
 
     def _read_pool(self) -> None:
         """Live pooling: hand each server what its pool-mates recorded since the last tick."""
@@ -268,3 +286,27 @@ class _PolicyBook:
                    and (model is None or mates.get(r.server) in (None, model))]
             with policy.lock:  # a worker of a slow server may hold it: fed as one batch
                 policy.pooled += sum(1 for _, o in obs if policy.policy.update(o))
+
+
+def _replay(policy: BasePolicy, rows: Sequence[LearningRow], arms: set[int],
+            bands: bool) -> dict[Any, int]:
+    """Feed stored rows of ``arms`` to a fresh policy as the live loop fed them; returns
+    how many of each kind it took (and their observations' decode steps, ``"steps"``)."""
+    counts: dict[Any, int] = dict.fromkeys(
+        (ObservationRecord, BandObservationRecord, DepthCountsRecord, "steps"), 0)
+    update_depths = getattr(policy, "update_depths", None)
+    for r in rows:
+        if r.k not in arms:
+            continue
+        if isinstance(r, ObservationRecord):
+            took = policy.update(Observation(r.b, r.k, r.decode_steps, r.emitted_tokens,
+                                             r.accepted_drafts, r.drafted_tokens, r.busy_s))
+            counts["steps"] += r.decode_steps if took else 0
+        elif isinstance(r, BandObservationRecord):
+            took = bands and policy.update_bands(BandObservation(  # type: ignore[attr-defined]
+                r.band, r.k, r.decode_steps, r.request_steps, r.accepted_drafts,
+                r.first_counted, r.first_rejected))
+        else:
+            took = callable(update_depths) and update_depths(r.k, list(r.counts), r.every)
+        counts[type(r)] += bool(took)
+    return counts

@@ -8,9 +8,17 @@ import logging
 import threading
 from collections.abc import Iterable
 
-from storage import EventRecord, ObservationRecord, PolicyVersionRecord, ServerSeen, Storage
+from storage import (
+    BandObservationRecord,
+    DepthCountsRecord,
+    EventRecord,
+    ObservationRecord,
+    PolicyVersionRecord,
+    ServerSeen,
+    Storage,
+)
 from tuner.config import TunerConfig
-from tuner.daemon._records import PushInfo, _Server
+from tuner.daemon._records import LearningRow, PushInfo, _Server
 from tuner.errors import StorageError
 from tuner.daemon._tables import AnyTable, flat, is_banded
 
@@ -24,7 +32,7 @@ class _Snapshot:
 
     def __init__(self, servers, observations, versions, events) -> None:  # noqa: ANN001
         self.servers: dict[tuple[str, float | None], ServerSeen] = servers
-        self.observations: collections.deque[ObservationRecord] = observations
+        self.observations: collections.deque[LearningRow] = observations
         self.versions: list[PolicyVersionRecord] = versions
         self.events: list[EventRecord] = events
 
@@ -39,7 +47,7 @@ class _Buffer:
         self.max_rows = max_rows
         self.lock = threading.Lock()
         self.servers: dict[tuple[str, float | None], ServerSeen] = {}
-        self.observations: collections.deque[ObservationRecord] = collections.deque()
+        self.observations: collections.deque[LearningRow] = collections.deque()
         self.versions: list[PolicyVersionRecord] = []
         self.events: list[EventRecord] = []
         self.dropped = 0
@@ -54,7 +62,7 @@ class _Buffer:
             self.dropped += 1
             excess -= 1
 
-    def add_observations(self, rows: Iterable[ObservationRecord]) -> None:
+    def add_observations(self, rows: Iterable[LearningRow]) -> None:
         with self.lock:
             self.observations.extend(rows)
             self._trim()
@@ -71,7 +79,7 @@ class _Buffer:
         with self.lock:
             self.servers[(row.address, row.started_at)] = row
 
-    def pending(self, server: str) -> list[ObservationRecord]:
+    def pending(self, server: str) -> list[LearningRow]:
         with self.lock:
             return [o for o in self.observations if o.server == server]
 
@@ -144,9 +152,13 @@ class _HistoryWriter:
                 None, now, "storage_recovered",
                 f"after {lasted:.1f} s, {rows} rows buffered, {buf.dropped} dropped")
         try:
+            rows_of = {kind: [r for r in snap.observations if type(r) is kind]
+                       for kind in (ObservationRecord, BandObservationRecord, DepthCountsRecord)}
             self.storage.record_tick(
                 servers=list(snap.servers.values()),
-                observations=list(snap.observations),
+                observations=rows_of[ObservationRecord],
+                bands=rows_of[BandObservationRecord],  # type: ignore[arg-type]
+                depths=rows_of[DepthCountsRecord],  # type: ignore[arg-type]
                 policy_versions=snap.versions,
                 events=snap.events if recovered is None else [*snap.events, recovered],
             )

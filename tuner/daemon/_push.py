@@ -8,7 +8,7 @@ import math
 from collections.abc import Sequence
 
 from policies import Observation, split_probes
-from storage import ObservationRecord
+from storage import BandObservationRecord, DepthCountsRecord, ObservationRecord
 from tuner.config import TunerConfig
 from tuner.daemon._records import _Server
 from tuner.errors import ServerError, ServerUnavailableError
@@ -42,7 +42,6 @@ class _Pusher:
                 busy += o.busy_s
             elif srv.policy is not None:
                 log.debug("%s: observation not used: %s", srv.address, o.problem() or "arm")
-        self._buffer.add_observations(records)
         if srv.bands and srv.policy is not None:
             for bo in srv.band_obs:
                 srv.policy.update_bands(bo)
@@ -50,6 +49,15 @@ class _Pusher:
         if callable(update_depths):
             for d in srv.depth_obs:
                 update_depths(d.k, d.counts, DEPTH_EVERY)
+        # The acceptance evidence too, so a restarted daemon's policy starts where this one is.
+        self._buffer.add_observations([
+            *records,
+            *(BandObservationRecord(srv.address, now, bo.band, bo.k, bo.decode_steps,
+                                    bo.request_steps, bo.accepted_drafts, bo.first_counted,
+                                    bo.first_rejected) for bo in srv.band_obs),
+            *(DepthCountsRecord(srv.address, now, d.k, tuple(d.counts), DEPTH_EVERY)
+              for d in srv.depth_obs if d.k >= 1 and len(d.counts) == d.k + 1),
+        ])
         srv.band_obs, srv.depth_obs = [], []
         srv.observations += used
         srv.decode_steps += int(steps)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from policies import BandObservation, BasePolicy, Buckets, PolicySnapshot
+from storage import BandObservationRecord, DepthCountsRecord, ObservationRecord
 from tuner.client import SGLangClient
 from tuner.daemon._tables import AnyTable
 from tuner.protocol import DepthCounter, DynspecState, Probe, TreeShape
@@ -26,6 +27,11 @@ DEFAULT_POOL_LOOKBACK_IDS = 2_000
 # History roll-up (Storage.rollup): at the first tick, then this often (daemon clock). The
 # cutoff moves by this much between runs, so each run merges about an hour of raw rows.
 DEFAULT_ROLLUP_EVERY_S = 3600.0
+
+# What a server's readings leave to learn from, in the order they came: observations per
+# (b, k), and a protocol v2 server's band observations and depth counts. Stored, they are
+# what a restarted daemon replays.
+LearningRow = ObservationRecord | BandObservationRecord | DepthCountsRecord
 
 PolicyFactory = Callable[[tuple[int, ...], Buckets], BasePolicy]
 

@@ -94,7 +94,8 @@ class _Session:
                 log.warning("%s: arms changed %s -> %s; rebuilding the policy",
                             srv.address, was, now_is)
             srv.tree = tree
-            self._build_policy(srv, arms)
+            self._build_policy(srv, arms,
+                               banded=tree is None and min(s.protocol for s in states) >= 2)
             srv.prev = None
             # Start the first decision one period from now, after seeing the server's own
             # table at work; a restart re-push still goes out at once.
