@@ -86,3 +86,39 @@ def test_cli_export_dynspec(history: str, tmp_path: Path, capsys) -> None:
     assert main(["export", "--db", history, "--format", "dynspec", "--out", str(out)]) == 0
     assert "from policy v14" in capsys.readouterr().out
     assert policyfile.load(out).table == FINAL_TABLE
+
+
+BANDS = ((2, (5, 3, 5, 7, 7)), (16, (3, 1, 3, 3, 5)), (None, (1, 1, 1, 1, 1)))
+
+
+def test_a_banded_table_is_exported_whole_and_installed_by_a_v2_plugin(tmp_path: Path) -> None:
+    """The last applied table was learnt per band: our file keeps the bands (a v2 plugin
+    without a tree installs them, a v1 plugin the band-agnostic view), SGLang's format gets
+    the band-agnostic view and says so."""
+    from storage import ObservationRecord, PolicyVersionRecord, ServerSeen
+    from tuner.plugin.core import PluginCore
+    from tuner.protocol import band_agnostic
+
+    db = f"sqlite:///{tmp_path / 'h.db'}"
+    arms = (0, 1, 3, 5, 7)
+    with Storage(db) as st:
+        st.record_tick(
+            servers=[ServerSeen(SERVER, arms, T0)],
+            observations=[ObservationRecord(SERVER, T0 + i, 2, 3, 100, 300, 200, 300, 1.0)
+                          for i in range(10)],
+            policy_versions=[PolicyVersionRecord(SERVER, T0 + 5, 3, band_agnostic(BANDS),
+                                                 "model", "learned", "applied", BANDS)],
+        )
+    ours, theirs = tmp_path / "policy.json", tmp_path / "adaptive.json"
+    with Storage(db, read_only=True) as st:
+        mine = export(st, fmt="dynspec", out=ours, now=T0 + 100)
+        stock = export(st, fmt="sglang-adaptive", out=theirs, now=T0 + 100)
+    pf = policyfile.load(ours)
+    assert pf.bands == BANDS and pf.table == band_agnostic(BANDS) and not mine.warnings
+    assert any("per acceptance band" in w for w in stock.warnings)
+    assert load_sglang_adaptive(theirs)[0] == band_agnostic(BANDS)
+    core = _sglang._new_core(list(arms), 3, {_sglang.POLICY_FILE_ENV: str(ours)})
+    assert core.band_table == BANDS and core.version == 3 and core.updates_rejected == 0
+    old = PluginCore(arms, started_at=0.0, protocol=1)  # a v1 plugin has no bands
+    _sglang._install_policy_file(old, str(ours))
+    assert old.table == band_agnostic(BANDS) and old.updates_rejected == 0

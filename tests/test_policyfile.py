@@ -77,6 +77,23 @@ def test_table_for_checks_a_servers_arms():
         pf.table_for((0, 1, 3))
 
 
+def test_bands_round_trip_and_a_reader_without_them_sees_the_table(tmp_path):
+    bands = ((8, (5, 3, 5, 5, 5)), (64, (3, 1, 1, 3, 5)), (None, (1, 1, 1, 1, 1)))
+    pf = _policy(bands=bands)
+    back = policyfile.load(policyfile.save(pf, tmp_path / "p.json"))
+    assert back == pf and back.bands == bands
+    assert back.bands_for((0, 1, 3, 5, 7)) == bands
+    with pytest.raises(ProtocolError, match="not a built arm"):
+        back.bands_for((0, 1, 3))
+    raw = json.loads((tmp_path / "p.json").read_text())
+    assert raw["table"] == [[8, 5], [64, 3], [None, 1]]  # what a v1 reader installs
+    assert raw["bands"] == [[8, 5, 3, 5, 5, 5], [64, 3, 1, 1, 3, 5], [None, 1]]
+    # Bands that all agree are no bands: the file is a plain v1 one.
+    plain = _policy(bands=tuple((b, (k,) * 5) for b, k in TABLE))
+    assert plain.bands is None and "bands" not in plain.to_json()
+    assert plain.bands_for(ARMS) == tuple((b, (k,) * 5) for b, k in TABLE)
+
+
 def _write(tmp_path, obj) -> str:
     path = tmp_path / "bad.json"
     path.write_text(obj if isinstance(obj, str) else json.dumps(obj))
@@ -107,6 +124,14 @@ GOOD = _policy().to_json()
             lambda d: {**d, "provenance": {"data_window": {"start": 5.0, "end": 1.0}}},
             "ends",
         ),
+        (lambda d: {**d, "bands": {"8": 5}}, "bands must be a list"),
+        (lambda d: {**d, "bands": [[8, 5, 3], [64, 3], [None, 1]]}, "row 0 must be"),
+        (lambda d: {**d, "bands": [[8, 5, 1, 3, 5, 7], [64, 3], [None, 1]]},
+         "k=7 is not a built arm"),
+        (lambda d: {**d, "bands": [[8, 3, 1, 3, 5, 5], [64, 3], [None, 1]]},
+         "unknown-band k must be the table's"),
+        (lambda d: {**d, "table": [[8, 5], [None, 0]], "bands": [[8, 5], [None, 0, 1, 0, 0, 0]]},
+         "the unknown band must draft"),
     ],
 )
 def test_a_bad_file_is_refused_naming_file_and_problem(tmp_path, mutate, problem):

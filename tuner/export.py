@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 from policies import Buckets, table_from_arms
 from tuner._atomic import write_atomic
 from tuner.errors import ConfigError
-from tuner.protocol import ProtocolError, Table, format_table, validate_table
+from tuner.protocol import BandTable, ProtocolError, Table, format_table, validate_table
 from tuner.report import BucketReport, ServerReport, build_report
 from tuner.sim.graphs import cuda_graph_bs, pad_batch_size
 
@@ -93,6 +93,9 @@ class LearnedTable:
     report: ServerReport  # estimates behind it, and the data window
     buckets: Buckets  # the buckets the estimates are given for
     notes: tuple[str, ...] = ()  # buckets without data and how they were filled, ties
+    # The recorded table's bands where they differ (protocol v2; policy source only):
+    # ``table`` is then its band-agnostic view. Our policy file keeps them; SGLang's cannot.
+    bands: BandTable | None = None
 
 
 @dataclass(frozen=True)
@@ -206,7 +209,7 @@ def learned_table(
         return LearnedTable(
             server=server, arms=srv.arms, table=table, source="policy",
             version=srv.table.version, policy=srv.table.policy, decided_at=srv.table.ts,
-            report=srv, buckets=buckets,
+            report=srv, buckets=buckets, bands=srv.table.bands,
         )
     if source == "policy":
         raise ConfigError(
@@ -363,6 +366,12 @@ def export(
                 "decoding is cheaper than an adaptive config that only holds k=0"
             )
         warnings.extend(padding_crossings(learned.table))
+        if learned.bands is not None:
+            warnings.append(
+                "the table was learnt per acceptance band; SGLang's format holds one k per "
+                "batch size, so its band-agnostic view is written (--format dynspec keeps "
+                "the bands for the plugin)"
+            )
         cfg = sglang_adaptive_config(learned.table, meta=_meta(learned, now))
         _atomic_write(out, _dump_adaptive(cfg).encode())
     else:
@@ -432,6 +441,7 @@ def _policy_file(learned: LearnedTable, now: float) -> Any:
             estimates=tuple(estimates),
             notes=learned.notes,
         ),
+        bands=learned.bands,
     )
 
 

@@ -22,6 +22,12 @@ Format (JSON object, version 1)::
 The table is validated exactly as an update is (protocol v1 rules, every ``k`` among
 ``arms``); a file that is not ours, or is from a newer format, is refused with an error that
 names the file and the problem.
+
+A table learnt per acceptance band (protocol v2) adds ``"bands"``: the banded table, a row
+``[max_batch_size, k_unknown, k_band1, ..., k_band4]`` where its bands differ (``[bound, k]``
+where they do not), validated as a v2 update is, whose unknown-band ``k`` per row is
+``"table"``. A v2 plugin without a draft tree installs the bands; a v1 plugin, and a reader
+from before bands, ignore the key and install ``"table"``, so the format version stays 1.
 """
 
 from __future__ import annotations
@@ -35,7 +41,17 @@ from pathlib import Path
 from typing import Any
 
 from tuner._atomic import write_atomic
-from tuner.protocol import ProtocolError, Table, table_to_json, validate_table
+from tuner.protocol import (
+    BandTable,
+    ProtocolError,
+    Table,
+    band_agnostic,
+    band_table_to_json,
+    is_uniform,
+    table_to_json,
+    validate_band_table,
+    validate_table,
+)
 
 # The protocol version of a file's (band-agnostic) table: v1, which every plugin installs.
 PROTOCOL_VERSION = 1
@@ -219,15 +235,19 @@ class PolicyFile:
         policy_version: the version the plugin reports after installing the table; updates
             the daemon pushes later must carry a greater one.
         provenance: where it came from.
+        bands: the banded table (protocol v2) the table is the band-agnostic view of, or
+            None; a banded table whose bands all agree is kept as None.
 
     Raises:
-        ValueError: if the table breaks protocol v1 or names an arm outside ``arms``.
+        ValueError: if the table breaks protocol v1 or names an arm outside ``arms``, or the
+            bands break protocol v2 or their unknown band is not the table.
     """
 
     table: Table
     arms: tuple[int, ...]
     policy_version: int = 1
     provenance: Provenance = field(default_factory=Provenance)
+    bands: BandTable | None = None
 
     def __post_init__(self) -> None:
         arms = tuple(sorted({int(a) for a in self.arms}))
@@ -237,6 +257,12 @@ class PolicyFile:
         object.__setattr__(self, "table", validate_table(self.table, arms))
         if isinstance(self.policy_version, bool) or self.policy_version < 0:
             raise ValueError(f"policy_version must be >= 0, got {self.policy_version}")
+        if self.bands is not None:
+            bands = validate_band_table(_band_rows(self.bands), arms)
+            if band_agnostic(bands) != self.table:
+                raise ValueError("bands: each row's unknown-band k must be the table's, got "
+                                 f"{band_table_to_json(bands)} for {table_to_json(self.table)}")
+            object.__setattr__(self, "bands", None if is_uniform(bands) else bands)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -246,6 +272,7 @@ class PolicyFile:
             "policy_version": self.policy_version,
             "arms": list(self.arms),
             "table": table_to_json(self.table),
+            **({} if self.bands is None else {"bands": band_table_to_json(self.bands)}),
             "provenance": self.provenance.to_json(),
         }
 
@@ -289,6 +316,20 @@ class PolicyFile:
         """
         return validate_table(self.table, arms)
 
+    def bands_for(self, arms: Iterable[int]) -> BandTable:
+        """The banded table (every band the row's ``k`` where the file has no bands), checked
+        against a server's built ``arms``.
+
+        Raises:
+            ProtocolError: if the table names an arm the server did not build.
+        """
+        return validate_band_table(_band_rows(self.bands or self.table), arms)
+
+
+def _band_rows(table: Table | BandTable) -> list[list[int | None]]:
+    """A v1 or banded table as rows :func:`validate_band_table` reads."""
+    return [[b, *k] if isinstance(k, tuple) else [b, k] for b, k in table]
+
 
 def _parse(obj: object) -> PolicyFile:
     if not isinstance(obj, Mapping):
@@ -321,11 +362,16 @@ def _parse(obj: object) -> PolicyFile:
     table = obj["table"]
     if not isinstance(table, list):
         raise ValueError(f"table must be a list of [max_batch_size, k] rows, got {table!r}")
+    bands = obj.get("bands")
+    if bands is not None and not isinstance(bands, list):
+        raise ValueError(f"bands must be a list of [max_batch_size, k_unknown, k_band...] "
+                         f"rows, got {bands!r}")
     return PolicyFile(
         table=validate_table(table, [_int(a, "arm") for a in arms]),
         arms=tuple(_int(a, "arm") for a in arms),
         policy_version=_int(obj["policy_version"], "policy_version"),
         provenance=Provenance.from_json(obj.get("provenance", {})),
+        bands=None if bands is None else validate_band_table(bands),
     )
 
 

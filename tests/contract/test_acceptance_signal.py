@@ -121,3 +121,22 @@ def rank_band(servers) -> int:
     bands = {s.policy.dynspec.acceptance.band for s in servers}
     assert len(bands) == 1
     return bands.pop()
+
+
+def test_a_banded_policy_file_steers_by_band_from_the_first_step(
+    sglang_plugin, published, tmp_path, monkeypatch
+):
+    """A server started with an exported banded table (``DYNSPEC_POLICY_FILE``) decides by
+    the band from its first steps, before any daemon pushes."""
+    from tuner import policyfile
+    from tuner.protocol import band_agnostic
+
+    pf = policyfile.PolicyFile(table=band_agnostic(TABLE), arms=ARMS, policy_version=4,
+                               bands=TABLE)
+    monkeypatch.setenv(_sglang.POLICY_FILE_ENV, str(policyfile.save(pf, tmp_path / "p.json")))
+    server = Server(write_config(tmp_path, adaptive_config(ARMS)))
+    core = server.policy.dynspec
+    assert (core.band_table, core.version, core.updates_rejected) == (TABLE, 4, 0)
+    assert launch([server], 3) == 3  # nothing known yet: the unknown band's k
+    server.step(k=3, accept_lens=[4, 4, 4], it=1, ts=10.0)  # every draft accepted
+    assert core.acceptance.band == 4 and launch([server], 3) == 5

@@ -44,7 +44,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     import time
 
     from tuner.export import export
-    from tuner.protocol import format_table
+    from tuner.protocol import format_band_table, format_table
     from tuner.report import open_history, parse_since
 
     now = time.time()
@@ -56,7 +56,10 @@ def _cmd_export(args: argparse.Namespace) -> int:
     lt = result.learned
     origin = f"policy v{lt.version} ({lt.policy})" if lt.source == "policy" else (
         "the best arm per bucket in the stored observations")
-    console.print(f"wrote {result.path}: {lt.server} {format_table(lt.table)} from {origin}",
+    shown = format_table(lt.table)
+    if lt.bands is not None and args.format == "dynspec":  # k<unknown>/<band 1..4>
+        shown = format_band_table(lt.bands)
+    console.print(f"wrote {result.path}: {lt.server} {shown} from {origin}",
                   markup=False, soft_wrap=True)
     if args.format == "sglang-adaptive":
         arms = sorted({k for _, k in lt.table})

@@ -168,13 +168,17 @@ def _new_core(arms: list[int], initial_steps: int, env: Mapping[str, str]) -> Pl
 
 
 def _install_policy_file(core: PluginCore, path: str) -> None:
-    """Install a policy file's table, or keep the default table and say why. Never raises."""
+    """Install a policy file's table (its bands, where it has them and this core learns
+    per band: protocol v2, no draft tree), or keep the default table and say why. Never
+    raises."""
     from tuner import policyfile
 
     try:
         policy = policyfile.load(path)
-        table = policy.table_for(core.arms)
-        core.install(table, policy.policy_version)
+        if policy.bands is not None and core.protocol >= 2 and core.tree is None:
+            core.install(policy.bands_for(core.arms), policy.policy_version)
+        else:
+            core.install(policy.table_for(core.arms), policy.policy_version)
     except (policyfile.PolicyFileError, ProtocolError, ValueError) as exc:
         # A PolicyFileError names the file already; a table that fits no built arm does not.
         where = "" if isinstance(exc, policyfile.PolicyFileError) else f"{path}: "
@@ -188,7 +192,7 @@ def _install_policy_file(core: PluginCore, path: str) -> None:
         "dynspec: installed policy v%d from %s: %s",
         core.version,
         path,
-        format_table(core.table),
+        format_band_table(core.band_table),
     )
 
 
