@@ -84,6 +84,26 @@ def test_install_validates():
         core.install(((None, 1),), -1)
 
 
+
+def test_a_policy_file_installs_its_bands_only_where_the_core_decides_per_band():
+    from tuner.policyfile import PolicyFile
+    from tuner.protocol import TreeShape
+
+    bands = ((4, (5, 1, 3, 5, 5)), (None, (0, 0, 0, 0, 0)))
+    pf = PolicyFile(table=((4, 5), (None, 0)), arms=ARMS, policy_version=6, bands=bands)
+    v2, v1 = _core(), _core(protocol=1)
+    tree = PluginCore((0, 2), started_at=1.0, tree=TreeShape(4, 2, 3))
+    v2.install_file(pf)
+    v1.install_file(pf)
+    assert v2.band_table == bands and v2.version == 6
+    assert v1.band_table == ((4, (5,) * 5), (None, (0,) * 5)) and v1.version == 6
+    with pytest.raises(ProtocolError, match="no acceptance bands"):
+        tree.install(((None, 2, 0, 2, 2, 2),), 1)
+    tree.install_file(PolicyFile(table=((None, 2),), arms=(0, 2),
+                                 bands=((None, (2, 0, 2, 2, 2)),)))
+    assert tree.table == ((None, 2),)
+
+
 # --- telemetry --------------------------------------------------------------------------------
 
 

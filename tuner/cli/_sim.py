@@ -157,7 +157,7 @@ def _cmd_sim(args: argparse.Namespace) -> int:
             server.faults.add(fault)
         if policy is not None:
             try:
-                server.core.install(policy.table, policy.policy_version)
+                server.core.install_file(policy)
             except ValueError as exc:  # ProtocolError: an arm this server did not build
                 raise ConfigError(f"policy file {policy_path}: {exc}") from exc
         server.start()

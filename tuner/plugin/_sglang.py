@@ -174,11 +174,7 @@ def _install_policy_file(core: PluginCore, path: str) -> None:
     from tuner import policyfile
 
     try:
-        policy = policyfile.load(path)
-        if policy.bands is not None and core.protocol >= 2 and core.tree is None:
-            core.install(policy.bands_for(core.arms), policy.policy_version)
-        else:
-            core.install(policy.table_for(core.arms), policy.policy_version)
+        core.install_file(policyfile.load(path))
     except (policyfile.PolicyFileError, ProtocolError, ValueError) as exc:
         # A PolicyFileError names the file already; a table that fits no built arm does not.
         where = "" if isinstance(exc, policyfile.PolicyFileError) else f"{path}: "

@@ -392,10 +392,21 @@ class PluginCore:
     def install(self, table: Table | BandTable, version: int) -> None:
         """Install a table at start (from a policy file). Raises ``ProtocolError`` if invalid."""
         bt = self._checked(table)
+        if self.tree is not None and not is_uniform(bt):
+            raise ProtocolError("a draft tree's server takes no acceptance bands")
         if version < 0:
             raise ProtocolError(f"version must be >= 0, got {version}")
         self._set_table(bt)
         self.version = int(version)
+
+    def install_file(self, policy: Any) -> None:
+        """Install a ``tuner.policyfile.PolicyFile`` at start: its bands where it has them
+        and this core decides per band (protocol v2, no draft tree), else its table.
+        Raises ``ProtocolError`` if it names an arm this core did not build."""
+        if self.protocol >= 2 and self.tree is None:
+            self.install(policy.bands_for(self.arms), policy.policy_version)
+        else:
+            self.install(policy.table_for(self.arms), policy.policy_version)
 
     def state(self, *, hooks_live: bool = True, reason: str | None = None) -> DynspecState:
         est = self.acceptance
