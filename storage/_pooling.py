@@ -89,14 +89,32 @@ class PoolingMixin(StorageCore):
                 q = (q.where(model_cls.k.in_(wanted))
                      .order_by(model_cls.ts.desc(), model_cls.id.desc()).limit(limit))
                 out.append(list(s.execute(q))[::-1])
-        bands = [BandObservationRecord(*row) for row in out[0]]
-        depths = []
-        for addr, ts, k, counts, every in out[1]:
-            try:
-                depths.append(DepthCountsRecord(addr, ts, k, tuple(json.loads(counts)), every))
-            except (ValueError, TypeError):  # a hand-edited row: a warm start goes without it
-                continue
-        return bands, depths
+        return [BandObservationRecord(*row) for row in out[0]], _depth_records(out[1])
+
+    def acceptance_at(
+        self, ticks: Iterable[tuple[str, float]]
+    ) -> tuple[list[BandObservationRecord], list[DepthCountsRecord]]:
+        """The band observations and depth counts recorded with the given ``(server, ts)``
+        ticks, each in id order: a live pool reader takes them with the observations it
+        read (a tick's rows are written in one transaction, so they are visible together)."""
+        wanted = {(a, float(t)) for a, t in ticks}
+        if not wanted or not self._v4:
+            return [], []
+        addresses, times = sorted({a for a, _ in wanted}), sorted({t for _, t in wanted})
+        b, d = BandObservationModel, DepthCountsModel
+        out: list[list[Any]] = []
+        with self._session_scope("reading the pool's acceptance evidence") as s:
+            for model_cls, cols in (
+                (b, (b.ts, b.band, b.k, b.decode_steps, b.request_steps, b.accepted_drafts,
+                     b.first_counted, b.first_rejected)),
+                (d, (d.ts, d.k, d.counts_json, d.every)),
+            ):
+                q = (select(ServerModel.address, *cols)
+                     .join(ServerModel, model_cls.server_id == ServerModel.id)
+                     .where(ServerModel.address.in_(addresses), model_cls.ts.in_(times))
+                     .order_by(model_cls.id))
+                out.append([row for row in s.execute(q) if (row[0], row[1]) in wanted])
+        return [BandObservationRecord(*row) for row in out[0]], _depth_records(out[1])
 
     def _pooled(self, q: Any, server: str, pool: str | None, model: str | None) -> Any:
         """``q`` over ``server``'s rows and, with ``pool``, its pool-mates' (with ``model``:
@@ -169,3 +187,15 @@ class PoolingMixin(StorageCore):
 def _excluding(q: Any, exclude: Iterable[str]) -> Any:
     skip = sorted(set(exclude))
     return q.where(ServerModel.address.not_in(skip)) if skip else q
+
+
+def _depth_records(rows: Iterable[Any]) -> list[DepthCountsRecord]:
+    """``(address, ts, k, counts_json, every)`` rows as records; a hand-edited row that is
+    not depth counts is left out (a warm start goes without it)."""
+    out = []
+    for addr, ts, k, counts, every in rows:
+        try:
+            out.append(DepthCountsRecord(addr, ts, k, tuple(json.loads(counts)), every))
+        except (ValueError, TypeError):
+            continue
+    return out

@@ -471,3 +471,49 @@ def test_a_restarted_daemon_starts_on_the_banded_table_it_left(tmp_path):
     assert len(bands) > 100 and {r.band for r in bands} >= {1, 2, 3} and depths
     assert tables["h.db"] == left
     assert tables["bare.db"] != left
+
+
+def test_pool_mates_under_other_daemons_feed_each_other_their_band_rows(tmp_path):
+    """Live pooling carries a v2 pool-mate's band and depth rows with its observations: each
+    daemon's policy learns the bands from both servers."""
+    db = f"sqlite:///{tmp_path / 'h.db'}"
+    clock = FakeClock()
+    with Sim(seed=4) as s1, Sim(seed=5) as s2:
+        daemons = []
+        for sim in (s1, s2):
+            config = TunerConfig(servers=(sim.addr,), interval_s=1.0, decision_period_s=5.0,
+                                 policy="model", seed=1, db_url=db, pool="kimi")
+            daemons.append(Daemon(config, storage=Storage(db), clock=clock))
+        fed = {}
+        for d, sim in zip(daemons, (s1, s2)):
+            d.run_once()
+            inner = d.policy_of(sim.addr)
+            fed[sim.addr] = {"bands": 0, "depths": 0}
+
+            def spy(name, real, counts=fed[sim.addr]):
+                def call(*args):
+                    took = real(*args)
+                    counts[name] += bool(took)
+                    return took
+                return call
+
+            inner.update_bands = spy("bands", inner.update_bands)
+            inner.update_depths = spy("depths", inner.update_depths)
+        for _ in range(60):
+            for sim in (s1, s2):
+                sim.step()
+            clock.advance(1.0)
+            for d in daemons:
+                d.run_once()
+        last = clock.t
+        for d in daemons:
+            d.shutdown()
+    with Storage(db, read_only=True) as st:
+        own = {a: st.warm_start_acceptance(a, arms=(0, 1, 3, 5, 7)) for a in (s1.addr, s2.addr)}
+    n = {a: (len(b), len(dp)) for a, (b, dp) in own.items()}
+    # s1's daemon ticks first: it has s2's rows but the last tick's; s2's daemon all of s1's.
+    late = {a: sum(1 for r in own[a][0] if r.ts == last) for a in own}
+    assert min(min(v) for v in n.values()) > 0
+    assert fed[s1.addr]["bands"] == n[s1.addr][0] + n[s2.addr][0] - late[s2.addr]
+    assert fed[s2.addr]["bands"] == n[s1.addr][0] + n[s2.addr][0]
+    assert fed[s1.addr]["depths"] > n[s1.addr][1] and fed[s2.addr]["depths"] > n[s2.addr][1]

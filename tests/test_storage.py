@@ -142,6 +142,20 @@ def test_acceptance_evidence_is_kept_for_warm_starts_oldest_first(db_url):
         DepthCountsRecord(A, 1.0, 3, (1, 2, 3), 8)
 
 
+def test_acceptance_at_reads_the_rows_of_given_ticks(db_url):
+    """What a live pool reader takes with the observations it read: exactly those ticks."""
+    with Storage(db_url) as st:
+        st.record_tick(
+            bands=[BandObservationRecord(s, t, 1, 3, 5, 10, 12, 10, 2)
+                   for s in (A, B) for t in (1.5, 2.5, 3.5)],
+            depths=[DepthCountsRecord(s, t, 3, (1, 1, 1, 7), 8) for s in (A, B) for t in (1.5, 2.5)],
+        )
+        bands, depths = st.acceptance_at([(A, 2.5), (B, 1.5), (B, 3.5)])
+        assert [(r.server, r.ts) for r in bands] == [(A, 2.5), (B, 1.5), (B, 3.5)]  # id order
+        assert [(r.server, r.ts) for r in depths] == [(A, 2.5), (B, 1.5)]
+        assert st.acceptance_at([]) == ([], [])
+
+
 def test_events_filters_include_daemon_events(db_url):
     url = db_url
     with Storage(url) as st:

@@ -240,8 +240,7 @@ class _PolicyBook:
             return []
         bands, depths = self.storage.warm_start_acceptance(
             srv.address, arms=arms, since=obs[0].ts, pool=pool, model=model)
-        rank = {ObservationRecord: 0, BandObservationRecord: 1, DepthCountsRecord: 2}
-        return sorted([*obs, *bands, *depths], key=lambda r: (r.ts, rank[type(r)]))
+        return sorted([*obs, *bands, *depths], key=_learnt_order)
 
     def _read_pool(self) -> None:
         """Live pooling: hand each server what its pool-mates recorded since the last tick."""
@@ -277,15 +276,35 @@ class _PolicyBook:
                 mates = {rec.address: rec.model for rec in self.storage.servers()}
             except StorageError as exc:
                 log.debug("pool %s: pool-mates' models not read this tick: %s", pool, exc)
+        # The band and depth rows written with those observations (protocol v2 mates).
+        try:
+            bands, depths = self.storage.acceptance_at({(r.server, r.ts) for _, r in fresh})
+        except StorageError as exc:  # the observations still count this tick
+            log.debug("pool %s: pool-mates' band rows not read this tick: %s", pool, exc)
+            bands, depths = [], []
+        evidence: dict[tuple[str, float], list[LearningRow]] = {}
+        for row in [*bands, *depths]:
+            evidence.setdefault((row.server, row.ts), []).append(row)
         for (model, arms, _tree), policy in shared:
-            allowed = set(arms)
             # A pool-mate known to run another model teaches this policy nothing.
-            obs = [(i, Observation(r.b, r.k, r.decode_steps, r.emitted_tokens,
-                                   r.accepted_drafts, r.drafted_tokens, r.busy_s))
-                   for i, r in fresh if i > policy.from_id and r.k in allowed
-                   and (model is None or mates.get(r.server) in (None, model))]
+            rows: list[LearningRow] = [
+                r for i, r in fresh if i > policy.from_id
+                and (model is None or mates.get(r.server) in (None, model))]
+            ticks = {(r.server, r.ts) for r in rows}
+            rows += [e for t in ticks for e in evidence.get(t, ())]
+            rows.sort(key=_learnt_order)
             with policy.lock:  # a worker of a slow server may hold it: fed as one batch
-                policy.pooled += sum(1 for _, o in obs if policy.policy.update(o))
+                fed = _replay(policy.policy, rows, set(arms), policy.bands_set)
+                policy.pooled += fed[ObservationRecord]
+
+
+_RANK = {ObservationRecord: 0, BandObservationRecord: 1, DepthCountsRecord: 2}
+
+
+def _learnt_order(row: LearningRow) -> tuple[float, int]:
+    """Stored rows in the order the live loop fed them: by tick, and within one the
+    observations, then the band rows, then the depth counts (``_Pusher._learn``)."""
+    return row.ts, _RANK[type(row)]
 
 
 def _replay(policy: BasePolicy, rows: Sequence[LearningRow], arms: set[int],
