@@ -3,8 +3,10 @@ single transaction."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
+from typing import Any
 
 from sqlalchemy import insert
 
@@ -60,65 +62,14 @@ class WritesMixin(ServersMixin):
         )
         with self._session_scope("recording a tick") as s:
             ids = self._server_ids(s, addresses, servers)
-            obs_rows = [
-                {
-                    "server_id": ids[o.server],
-                    "ts": o.ts,
-                    "b": o.b,
-                    "k": o.k,
-                    "decode_steps": o.decode_steps,
-                    "emitted_tokens": o.emitted_tokens,
-                    "accepted_drafts": o.accepted_drafts,
-                    "drafted_tokens": o.drafted_tokens,
-                    "busy_s": o.busy_s,
-                }
-                for o in observations
-            ]
-            version_rows = [
-                {
-                    "server_id": ids[p.server],
-                    "ts": p.ts,
-                    "version": p.version,
-                    "table_json": json.dumps(_table_rows(p)),
-                    "policy": p.policy,
-                    "reason": p.reason,
-                    "outcome": p.outcome,
-                }
-                for p in policy_versions
-            ]
-            event_rows = [
-                {
-                    "server_id": None if e.server is None else ids[e.server],
-                    "ts": e.ts,
-                    "kind": e.kind,
-                    "detail": e.detail,
-                }
-                for e in events
-            ]
-            band_rows = [
-                {
-                    "server_id": ids[r.server],
-                    "ts": r.ts,
-                    "band": r.band,
-                    "k": r.k,
-                    "decode_steps": r.decode_steps,
-                    "request_steps": r.request_steps,
-                    "accepted_drafts": r.accepted_drafts,
-                    "first_counted": r.first_counted,
-                    "first_rejected": r.first_rejected,
-                }
-                for r in bands
-            ]
-            depth_rows = [
-                {
-                    "server_id": ids[r.server],
-                    "ts": r.ts,
-                    "k": r.k,
-                    "counts_json": json.dumps(list(r.counts)),
-                    "every": r.every,
-                }
-                for r in depths
-            ]
+            obs_rows = [_columns(o, ids) for o in observations]
+            version_rows = [_columns(p, ids, drop=("table", "bands"),
+                                     table_json=json.dumps(_table_rows(p)))
+                            for p in policy_versions]
+            event_rows = [_columns(e, ids) for e in events]
+            band_rows = [_columns(r, ids) for r in bands]
+            depth_rows = [_columns(r, ids, drop=("counts",), counts_json=json.dumps(list(r.counts)))
+                          for r in depths]
             for model, rows in (
                 (ObservationModel, obs_rows),
                 (BandObservationModel, band_rows),
@@ -128,6 +79,16 @@ class WritesMixin(ServersMixin):
             ):
                 if rows:  # an empty executemany is an error
                     s.execute(insert(model), rows)
+
+
+def _columns(record: Any, ids: dict[str, int], *, drop: tuple[str, ...] = (),
+             **columns: object) -> dict[str, object]:
+    """A record's fields as its table's columns (less ``drop``, plus ``columns``), its
+    ``server`` as that server's id (None: the daemon's own event)."""
+    fields = {f.name: getattr(record, f.name) for f in dataclasses.fields(record)
+              if f.name not in drop}
+    server = fields.pop("server")
+    return {"server_id": None if server is None else ids[server], **fields, **columns}
 
 
 def _table_rows(p: PolicyVersionRecord) -> list[list[int | None]]:
