@@ -60,3 +60,22 @@ def test_a_second_simulated_run_warm_starts_from_the_first(tmp_path, caplog):
         second = run_simulation(TunerConfig(db_url=db), sim2)
     assert second.server == first.server
     assert any("warm start from" in r.getMessage() for r in caplog.records)
+
+
+def test_a_banded_table_is_judged_by_what_its_bands_yield(tmp_path):
+    """Requests whose acceptance differs a lot: the daemon leaves a banded table, and the
+    verdict values it on the run's steps by band (not as its unknown-band arm alone, which
+    the per-bucket oracle's arm beats)."""
+    from tuner.config import SimulateConfig, TunerConfig
+    from tuner.simulate import run_simulation
+
+    db = f"sqlite:///{tmp_path / 'sim.db'}"
+    sim = SimulateConfig(profile="seed-kimi-pcie", workload="diverse", load="240:2",
+                         speed=5000, duration_s=240, port=0)
+    s = run_simulation(TunerConfig(db_url=db), sim)
+    (v,) = s.judged()
+    assert v.learned_bands is not None and len(set(v.learned_bands)) > 1
+    assert v.learned == f"{v.learned_k}/{','.join(map(str, v.learned_bands[1:]))}"
+    # The row's unknown-band arm alone is not what runs: valued by its bands it takes the
+    # per-step headroom the per-bucket oracle leaves.
+    assert v.ok() and v.ratio > 1.0 and s.learned_goodput > s.oracle_goodput

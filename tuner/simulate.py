@@ -12,16 +12,18 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from policies import BasePolicy
 from storage import Storage
+from tuner.bench_step import greedy_arms
 from tuner.config import SimulateConfig, TunerConfig
 from tuner.daemon import Daemon, DaemonStatus
-from tuner.daemon._tables import AnyTable, canon
+from tuner.daemon._tables import AnyTable, canon, is_banded
 from tuner.errors import ConfigError
-from tuner.protocol import Table, format_table, lookup
+from tuner.protocol import Table, format_table, is_uniform, lookup
+from tuner.sim._step_oracle import StepOracleSums
 
 __all__ = [
     "DEFAULT_MIN_VERDICT_STEPS",
@@ -64,13 +66,24 @@ class BucketVerdict:
     oracle_k: int
     learned_goodput: float  # expected tokens/s of the learned arm over this occupancy
     oracle_goodput: float
+    # A banded row (protocol v2): its arm per band, unknown band first (``learned_k``), and
+    # ``learned_goodput`` what it yields on the run's steps by the band each was in.
+    learned_bands: tuple[int, ...] | None = None
 
     @property
     def ratio(self) -> float:
         return self.learned_goodput / self.oracle_goodput if self.oracle_goodput > 0 else math.nan
 
+    @property
+    def learned(self) -> str:
+        """The learned arm, or a banded row's ``k<unknown>/<band 1..>``."""
+        if self.learned_bands is None:
+            return str(self.learned_k)
+        return f"{self.learned_k}/{','.join(map(str, self.learned_bands[1:]))}"
+
     def ok(self, tolerance: float = DEFAULT_TOLERANCE) -> bool:
-        return self.learned_k == self.oracle_k or self.ratio >= 1.0 - tolerance
+        same = self.learned_k == self.oracle_k and self.learned_bands is None
+        return same or self.ratio >= 1.0 - tolerance
 
 
 @dataclass(frozen=True)
@@ -116,6 +129,9 @@ def summarize(
     graph_bs: tuple[int, ...],
     skip_zero_draft_extend: bool = False,
     start_table: Table | None = None,
+    greedy_table: AnyTable | None = None,
+    step_sums: Mapping[int, StepOracleSums] | None = None,
+    step_arms: tuple[int, ...] = (),
 ) -> tuple[tuple[BucketVerdict, ...], float, float, float, float, int]:
     """Per-bucket verdicts and run-wide goodputs from the stored history of ``server``.
 
@@ -123,6 +139,15 @@ def summarize(
     ran): the load decides how long the server sits at a batch size, and a table decides
     how many tokens it makes there. (Weighting by decode steps instead would favour arms with
     long steps.) Expected goodputs come from the oracle's closed form.
+
+    A banded ``greedy_table`` (its bands differ; the policy's greedy table otherwise) picks
+    its arm from the batch's live acceptance, which the closed form cannot price: a banded
+    row is valued on the run's own steps instead, as the bench scores one
+    (:mod:`tuner.bench_step`). ``step_sums`` (the engine's per-step oracle over the run; arms
+    in ``step_arms``' order) say what every arm would have yielded on the steps at each
+    batch size, by the acceptance band each was looked up in; the row's goodput at ``b`` is
+    the closed form's for the reference arm times the ratio of its band arms' tokens to the
+    reference arm's on those steps.
 
     ``default`` is the table the server started on (``start_table``; the largest arm
     everywhere when None).
@@ -156,6 +181,24 @@ def summarize(
 
     buckets = policy.buckets
     greedy = policy.greedy()
+    banded = (greedy_table is not None and is_banded(greedy_table)
+              and not is_uniform(greedy_table) and step_sums is not None)  # type: ignore[arg-type]
+    index = {k: i for i, k in enumerate(step_arms)}
+
+    def band_value(b: int, ref: int) -> float:
+        """The banded table's expected goodput at ``b``, by the run's steps (see above)."""
+        sums = step_sums.get(b) if step_sums is not None else None
+        ks = greedy_arms(greedy_table, b)  # type: ignore[arg-type]
+        if sums is None or not sums.band_tokens:
+            return g[(b, ks[0])]
+        num = sum(t[index[ks[band]]] for band, t in sums.band_tokens.items())
+        den = sum(t[index[ref]] for t in sums.band_tokens.values())
+        return g[(b, ref)] * num / den if den > 0 else g[(b, ks[0])]
+
+    def weighted(occ: dict[int, float], value: Callable[[int], float]) -> float:
+        total = sum(occ.values())
+        return sum(t * value(b) for b, t in occ.items()) / total if total else math.nan
+
     verdicts = []
     for i in range(len(buckets)):
         low, high = buckets.bounds(i)
@@ -164,19 +207,30 @@ def summarize(
             continue
         by_arm = {k: mean(occ, lambda b, k=k: k) for k in arms}
         best = max(arms, key=lambda k: (by_arm[k], -k))
-        learned = lookup(greedy, high if high is not None else low)
+        top = high if high is not None else low
+        learned = lookup(greedy, top)
+        bands = greedy_arms(greedy_table, top) if banded else None  # type: ignore[arg-type]
         verdicts.append(
             BucketVerdict(
                 label=buckets.label(i),
                 steps=sum(steps[b] for b in occ),
-                learned_k=learned,
+                learned_k=learned if bands is None else bands[0],
                 oracle_k=best,
-                learned_goodput=by_arm[learned],
+                learned_goodput=(by_arm[learned] if bands is None
+                                 else weighted(occ, lambda b, r=best: band_value(b, r))),
                 oracle_goodput=by_arm[best],
+                learned_bands=bands,
             )
         )
-    oracle_g = mean(occupancy, lambda b: max(arms, key=lambda k: (g[(b, k)], -k)))
-    learned_g = mean(occupancy, lambda b: lookup(greedy, b))
+
+    def oracle_arm(b: int) -> int:
+        return max(arms, key=lambda k: (g[(b, k)], -k))
+
+    oracle_g = mean(occupancy, oracle_arm)
+    if banded:
+        learned_g = weighted(occupancy, lambda b: band_value(b, oracle_arm(b)))
+    else:
+        learned_g = mean(occupancy, lambda b: lookup(greedy, b))
     default_g = mean(occupancy, (lambda b: max(arms)) if start_table is None
                      else (lambda b: lookup(start_table, b)))
     measured = emitted / busy if busy > 0 else math.nan
@@ -285,6 +339,9 @@ def run_simulation(
             # As the daemon keeps it: banded where the bands differ.
             server_table, version = canon(core.band_table), core.version
         policy = daemon.policy_of(address)
+        greedy = daemon.greedy_table(address)
+        with server.lock:  # what every arm would have yielded on the run's steps, by band
+            step_arms, step_sums = server.engine.step_oracle.arms, server.engine.step_oracle.take()
         status = daemon.status()
         pushes = status.servers[0].pushes if status is not None else 0
         if policy is None:
@@ -298,6 +355,9 @@ def run_simulation(
             graph_bs=tuple(server.engine.graph_bs),
             skip_zero_draft_extend=server.engine.skip_zero_draft_extend,
             start_table=start_table,
+            greedy_table=greedy,
+            step_sums=step_sums,
+            step_arms=step_arms,
         )
         switchback, truth = _switchback(storage, address, daemon, server.engine)
         return SimulationSummary(
@@ -311,7 +371,7 @@ def run_simulation(
             pushes=pushes,
             final_version=version,
             server_table=server_table,
-            greedy_table=daemon.greedy_table(address),
+            greedy_table=greedy,
             buckets=verdicts,
             measured_goodput=measured,
             oracle_goodput=oracle_g,

@@ -224,7 +224,7 @@ def _print_simulation(s: object) -> None:
     for v in s.buckets:
         judged = v.steps >= DEFAULT_MIN_VERDICT_STEPS
         mark = ("ok" if v.ok() else "MISS") if judged else "few steps"
-        t.add_row(v.label, f"{v.steps:,}", str(v.learned_k), str(v.oracle_k),
+        t.add_row(v.label, f"{v.steps:,}", v.learned, str(v.oracle_k),
                   f"{100 * v.ratio:.1f}%", mark)
     console.print(t)
     judged = s.judged()
