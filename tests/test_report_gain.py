@@ -89,3 +89,39 @@ def test_the_interval_comes_from_stretches_of_time_when_errors_drift(tmp_path):
     assert h.ratio == pytest.approx(d.ratio)
     assert h.high - h.low > 2 * (d.high - d.low)
     assert h.low <= 0.1 <= h.high
+
+
+def test_a_banded_table_is_valued_as_it_ran_and_only_against_k0(tmp_path):
+    """Under a banded table k5 ran only in the high-acceptance band (200 tok/s there) and k0
+    in the low one (100 tok/s): k5's cell is not what k5 would do on all traffic. The gain is
+    the rows as they ran (busy-weighted) over k0, and no drafting baseline is priced."""
+    from storage import ObservationRecord, PolicyVersionRecord, ServerSeen
+    from tuner.export import export
+
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    bands = ((None, (5, 0, 0, 5, 5)),)
+    rows = []
+    for i in range(40):  # b = 4: k0 3 s of busy time per 1 s of k5, alternating
+        ts = T0 + i
+        if i % 4 == 3:
+            rows.append(ObservationRecord(SERVER, ts, 4, 5, 50, 200 + i % 2, 150, 250, 1.0))
+        else:
+            rows.append(ObservationRecord(SERVER, ts, 4, 0, 100, 100 + i % 2, 0, 0, 1.0))
+    with Storage(url) as st:
+        st.record_tick(servers=[ServerSeen(SERVER, (0, 1, 3, 5), T0)], observations=rows,
+                       policy_versions=[PolicyVersionRecord(SERVER, T0, 1, ((None, 5),), "model",
+                                                            "learned", "applied", bands)])
+        report = build_report(st)
+        data = export(st, fmt="dynspec", out=tmp_path / "p.json", source="data")
+    (s,) = report.servers
+    (g,) = s.gains
+    assert g.banded and g.gain.baseline == "k0"
+    assert g.gain.ratio == pytest.approx((0.75 * 100.5 + 0.25 * 200.5) / 100.5 - 1, rel=0.01)
+    (bk,) = [b for b in s.buckets if b.arms]
+    assert bk.gain_vs_always is None and bk.gain_vs_off == pytest.approx(g.gain.ratio, rel=0.01)
+    text = render_text(report)
+    assert f"gain over k=0 (no speculation): {g.gain.ratio:+.1%}" in text and "as the banded tables ran" in text
+    assert "not estimated" in text and "chosen k5/0,0,5,5" in text
+    # The data's best arm is the band-selected k5: export from the data says so.
+    assert data.learned.table == ((None, 5),)
+    assert any("banded tables" in n for n in data.learned.notes)

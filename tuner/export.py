@@ -220,6 +220,10 @@ def learned_table(
         table, notes = table_from_buckets(srv.buckets, buckets)
     except ConfigError as exc:
         raise ConfigError(f"{server}: {exc} in {storage.url}") from None
+    if srv.table is not None and srv.table.bands is not None:
+        notes = (*notes, "the server ran banded tables: each arm's goodput in the data is over "
+                 "the acceptance bands that chose it, so the best arm by the data may not be "
+                 "the best on all traffic (--source policy exports the table it ran)")
     return LearnedTable(
         server=server, arms=srv.arms, table=table, source="data", version=None,
         policy="greedy-by-data", decided_at=None, report=srv, buckets=buckets, notes=notes,

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -47,6 +48,16 @@ log = logging.getLogger(__name__)
 
 BASELINE_LABELS = {"start": "the server's starting table", "k0": "k=0 (no speculation)",
                    "always": "always-speculate"}
+# Under banded tables a bucket's arms each ran only in the acceptance bands that chose them
+# (an arm run in high-acceptance bands alone looks far better than it would on all traffic),
+# so the table is valued as it ran: every arm's goodput weighed by its busy time, the
+# pseudo-arm below. k = 0 yields the same whatever the acceptance, so the gain over it stays
+# honest; a drafting baseline's cell does not.
+AS_RAN = -1
+BANDED_NOTE = ("gain over the starting table and always-speculate: not estimated, since "
+               "under banded tables each arm ran only in the acceptance bands that chose it "
+               "(--holdout measures it); the gain over k=0 takes the rows as they ran, "
+               "exploration included")
 # A banded row (``k3/1,3,3,5``) reads as its unknown band's arm, the band-agnostic one.
 _ROW = re.compile(r"^(?:b<=(\d+)|rest):k(\d+)(?:/[\d,]+)?$")
 # Contiguous stretches of time the jackknife leaves out in turn (fixed in advance, not fitted).
@@ -58,6 +69,7 @@ class ReportGain:
     gain: Gain
     base_table: tuple[tuple[int | None, int], ...]
     assumed: bool  # the starting table was not recorded: SGLang's startup step assumed
+    banded: bool = False  # the table in effect is banded: valued as it ran (AS_RAN)
 
 
 def parse_table_text(text: str) -> tuple[tuple[int | None, int], ...] | None:
@@ -98,7 +110,9 @@ def _model_values(sums, s: ServerReport, buckets: Buckets):  # noqa: ANN001
             if math.isfinite(e.estimate) and math.isfinite(e.std) and e.estimate > 0}
 
 
-def _values(s: ServerReport, model) -> list[BucketValues]:  # noqa: ANN001
+def _values(s: ServerReport, model, banded: bool = False) -> list[BucketValues]:  # noqa: ANN001
+    """Per bucket, every arm's goodput: measured with an interval, else the model's; with
+    ``banded``, also the bucket as it ran (:data:`AS_RAN`)."""
     values = []
     for bk in s.buckets:
         arms = {}
@@ -108,13 +122,20 @@ def _values(s: ServerReport, model) -> list[BucketValues]:  # noqa: ANN001
         for (i, k), v in model.items():
             if i == bk.index and k not in arms:
                 arms[k] = v
-        values.append(BucketValues(sum(a.busy_s for a in bk.arms),
-                                   bk.high if bk.high is not None else bk.low, arms))
+        busy = sum(a.busy_s for a in bk.arms)
+        ran = [(a.busy_s / busy, arms[a.arm]) for a in bk.arms
+               if busy > 0 and a.arm in arms and arms[a.arm].measured]
+        if banded and ran:
+            share = sum(w for w, _ in ran)
+            arms[AS_RAN] = ArmValue(sum(w * v.goodput for w, v in ran) / share,
+                                    math.sqrt(sum((w * v.se) ** 2 for w, v in ran)) / share,
+                                    True)
+        values.append(BucketValues(busy, bk.high if bk.high is not None else bk.low, arms))
     return values
 
 
 def _jackknife(s: ServerReport, moments, buckets: Buckets, table, bases, always,  # noqa: ANN001
-               model) -> dict[str, list[float]]:
+               model, banded: bool = False) -> dict[str, list[float]]:
     """Per baseline, the gains recomputed without each contiguous stretch of time (the
     model refitted only where a used measurement drops out; see the module docstring)."""
     bins = sorted({m.bin for m in moments})
@@ -129,9 +150,9 @@ def _jackknife(s: ServerReport, moments, buckets: Buckets, table, bases, always,
         kept = [m for m in stretches if m.bin != g]
         rs = summarize(server=s.server, arms=s.arms, moments=kept, buckets=buckets,
                        always=always)
-        values = _values(rs, model)
-        if _lost_measurement(_values(s, model), values, table, bases):
-            values = _values(rs, _model_values(sum_by_arm(kept), rs, buckets))
+        values = _values(rs, model, banded)
+        if _lost_measurement(_values(s, model, banded), values, table, bases):
+            values = _values(rs, _model_values(sum_by_arm(kept), rs, buckets), banded)
         for name, base in bases.items():
             rg = estimate_gain(name, values, table, base)
             if rg is not None and math.isfinite(rg.ratio):
@@ -197,8 +218,11 @@ def server_gains(
     if not s.arms or not any(bk.arms for bk in s.buckets):
         return ()
     chosen = [bk.chosen for bk in s.buckets]
-    if s.table is not None:
-        table: Sequence[tuple[int | None, int]] = s.table.table
+    banded = s.table is not None and s.table.bands is not None
+    if banded:
+        table: Sequence[tuple[int | None, int]] = ((None, AS_RAN),)
+    elif s.table is not None:
+        table = s.table.table
     elif all(k is not None for k in chosen):
         table = buckets.table(chosen)  # type: ignore[arg-type]
     else:
@@ -206,7 +230,7 @@ def server_gains(
     sums = (sum_by_arm(moments) if moments is not None
             else storage.aggregate(server=s.server, since=since, until=until))
     model = _model_values(sums, s, buckets)
-    values = _values(s, model)
+    values = _values(s, model, banded)
     start = _start_table(storage, s.server, until)
     assumed = start is None
     if start is None:  # SGLang's startup step everywhere
@@ -217,14 +241,16 @@ def server_gains(
     always = s.always_arm if s.always_arm is not None else always_arm(s.arms)
     if always is not None:
         bases["always"] = ((None, always),)
-    jack = (_jackknife(s, moments, buckets, table, bases, s.always_arm, model)
+    if banded:  # only a baseline whose goodput the bands did not select (see AS_RAN)
+        bases = {name: base for name, base in bases.items() if name == "k0"}
+    jack = (_jackknife(s, moments, buckets, table, bases, s.always_arm, model, banded)
             if moments is not None else {})
     out = []
     for name, base in bases.items():
         g = estimate_gain(name, values, table, base)
         if g is not None:
             g = _widen(g, jack.get(name, ()))
-            out.append(ReportGain(g, tuple(base), assumed and name == "start"))
+            out.append(ReportGain(g, tuple(base), assumed and name == "start", banded))
     return tuple(out)
 
 
@@ -245,8 +271,12 @@ def gain_lines(gains: Sequence[ReportGain]) -> list[str]:
         cover = "" if g.covered_share >= 0.999 else f", {g.covered_share:.0%} of the time covered"
         src = {"measured": "measured", "model": "modelled"}.get(
             g.source, f"{int(g.measured_share * 100)}% measured, rest modelled")
+        if rg.banded:
+            src += ", as the banded tables ran"
         out.append(f"gain over {what}: {g.ratio:+.1%} [{g.low:+.1%}, {g.high:+.1%}] "
                    f"({src}{cover})")
+    if any(rg.banded for rg in gains):
+        out.extend(textwrap.wrap(BANDED_NOTE, 96, subsequent_indent="  "))
     return out
 
 
@@ -258,4 +288,4 @@ def gains_json(gains: Sequence[ReportGain]) -> list[dict]:
              "assumed": rg.assumed, "ratio": f(rg.gain.ratio),
              "ci95": [f(rg.gain.low), f(rg.gain.high)], "source": rg.gain.source,
              "measured_share": f(rg.gain.measured_share),
-             "covered_share": f(rg.gain.covered_share)} for rg in gains]
+             "covered_share": f(rg.gain.covered_share), "banded": rg.banded} for rg in gains]

@@ -175,6 +175,17 @@ def _gain(a: ArmStat | None, base: ArmStat | None) -> float | None:
     return a.goodput / base.goodput - 1.0
 
 
+def _as_ran(stats: Sequence[ArmStat]) -> ArmStat | None:
+    """A bucket's arms together, each goodput weighed by its busy time: what a banded row
+    yielded as it ran (an arm only in the bands that chose it)."""
+    ran = [a for a in stats if math.isfinite(a.goodput) and a.busy_s > 0]
+    busy = sum(a.busy_s for a in ran)
+    if not busy:
+        return None
+    good = sum(a.busy_s * a.goodput for a in ran) / busy
+    return replace(ran[0], arm=-1, goodput=good, ci_low=None, ci_high=None)
+
+
 def _crossover(buckets: Sequence[BucketReport]) -> int | None:
     """Lower bound of the first bucket from which every decided bucket above runs k = 0."""
     decided = [bk for bk in buckets if bk.chosen is not None]
@@ -268,6 +279,12 @@ def summarize(
         else:
             chosen = best
         cs = next((a for a in stats if a.arm == chosen), None)
+        off = next((a for a in stats if a.arm == 0), None)
+        vs_always = _gain(cs, next((a for a in stats if a.arm == always_k), None))
+        if table is not None and table.bands is not None:
+            # A banded row's arms each ran only in the bands that chose them: the row is
+            # valued as it ran, and only against k = 0, whose goodput no band selects.
+            cs, vs_always = _as_ran(stats), None
         bucket_reports.append(
             BucketReport(
                 index=i,
@@ -278,8 +295,8 @@ def summarize(
                 arms=stats,
                 chosen=chosen,
                 best=best,
-                gain_vs_off=_gain(cs, next((a for a in stats if a.arm == 0), None)),
-                gain_vs_always=_gain(cs, next((a for a in stats if a.arm == always_k), None)),
+                gain_vs_off=_gain(cs, off),
+                gain_vs_always=vs_always,
             )
         )
     curve = tuple(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Sequence
 from datetime import datetime, timezone
 
@@ -111,12 +112,17 @@ def _server_text(s: ServerReport, width: int) -> list[str]:
     )
     out.append(f"{'':<9} {'':<5} {'tok/s':>9}")
     any_rows = False
+    bands = s.table.bands if s.table is not None else None
     for bk in s.buckets:
         if not bk.arms:
             continue  # no data: its arm is in the table above
         any_rows = True
+        chosen = f"k{bk.chosen if bk.chosen is not None else '-'}"
+        if bands is not None:  # the row as it runs: k<unknown band>/<bands 1..>
+            ks = next(ks for b, ks in bands if b is None or b >= (bk.high or bk.low))
+            chosen = f"k{ks[0]}/{','.join(map(str, ks[1:]))}" if len(set(ks)) > 1 else chosen
         head = (
-            f"{bk.label:<9} chosen k{bk.chosen if bk.chosen is not None else '-'}"
+            f"{bk.label:<9} chosen {chosen}"
             f" · best k{bk.best if bk.best is not None else '-'}"
             f" · b_ref {_num(bk.b_ref, 0, 1).strip()}"
             f" · chosen vs k0 {_pct(bk.gain_vs_off)}, {vs_always} {_pct(bk.gain_vs_always)}"
@@ -142,6 +148,11 @@ def _server_text(s: ServerReport, width: int) -> list[str]:
     else:
         out.append("< = chosen (table in effect), * = best estimate in the window; goodput at "
                    "b_ref")
+        if bands is not None:
+            out.extend(textwrap.wrap(
+                "banded table: a row picks its arm per acceptance band, so each arm above ran "
+                "only in the bands that chose it (not comparable across arms); 'chosen vs k0' "
+                "is the row as it ran", width))
     if s.versions:
         shown = s.versions[-_TEXT_VERSIONS:]
         out.append("")
