@@ -31,7 +31,7 @@ from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import tuner.bench as bench  # noqa: E402
+from tuner import bench  # noqa: E402
 from tuner.bench_config import build_policy  # noqa: E402
 
 BRANCHES = ("none", "kept", "obs only", "cold")
@@ -116,12 +116,12 @@ def main() -> None:
           f"{args.window:g} s after | all {args.after:g} s after, mean over seeds "
           f"{args.seeds} (before the restart: every branch alike)")
     for p, w, c in cells:
-        def mean(b: str, i: int) -> float:
-            return statistics.fmean(out[(p, w, c, s, b)][i] for s in args.seeds)
+        def mean(b: str, i: int, cell: tuple = (p, w, c)) -> float:
+            return statistics.fmean(out[(*cell, s, b)][i] for s in args.seeds)
 
-        def whole(b: str) -> float:  # the window and the rest, time-weighted
+        def whole(b: str, cell: tuple = (p, w, c)) -> float:  # window and rest, time-weighted
             f = args.window / args.after
-            return f * mean(b, 1) + (1 - f) * mean(b, 2)
+            return f * mean(b, 1, cell) + (1 - f) * mean(b, 2, cell)
 
         print(f"{p:16s} {w:8s} c={c:<3d} before {mean('none', 0):6.2f}  " + "  ".join(
             f"{b} {mean(b, 1):6.2f} | {whole(b):6.2f}" for b in BRANCHES))

@@ -93,9 +93,9 @@ class SchemaMixin(StorageCore):
         v1 -> v2 adds observations' moment columns and roll-up marker (NULL moments mean
         "the row's own values", so no row is rewritten: instant on any size); v2 -> v3 adds
         the servers' model and since when (NULL: not known, all rows count); v3 -> v4 adds
-        only tables (band observations, depth counts), which ``create_all`` made already. Safe against
-        a second daemon migrating at the same time: PostgreSQL serialises on the version
-        row; on SQLite a column the other one added first is seen on the retry.
+        only tables (band observations, depth counts), which ``create_all`` made already.
+        Safe against a second daemon migrating at the same time: PostgreSQL serialises on the
+        version row; on SQLite a column the other one added first is seen on the retry.
         """
         for attempt in range(2):
             try:

@@ -68,8 +68,8 @@ class WritesMixin(ServersMixin):
                             for p in policy_versions]
             event_rows = [_columns(e, ids) for e in events]
             band_rows = [_columns(r, ids) for r in bands]
-            depth_rows = [_columns(r, ids, drop=("counts",), counts_json=json.dumps(list(r.counts)))
-                          for r in depths]
+            depth_rows = [_columns(r, ids, drop=("counts",),
+                                   counts_json=json.dumps(list(r.counts))) for r in depths]
             for model, rows in (
                 (ObservationModel, obs_rows),
                 (BandObservationModel, band_rows),

@@ -389,10 +389,10 @@ def test_report_on_a_daemon_run_matches_its_history(daemon_history, tmp_path: Pa
     # What stock SGLang would be told is what the daemon left the server on.
     assert load_sglang_adaptive(tmp_path / "a.json")[0] == merged
     banded = is_banded(summary.server_table) and not is_uniform(summary.server_table)
-    assert exported.warnings == (("the table was learnt per acceptance band; SGLang's format "
-                                  "holds one k per batch size, so its band-agnostic view is "
-                                  "written (--format dynspec keeps the bands for the plugin)",)
-                                 if banded else ())
+    note = ("the table was learnt per acceptance band; SGLang's format holds one k per batch "
+            "size, so its band-agnostic view is written (--format dynspec keeps the bands for "
+            "the plugin)")
+    assert exported.warnings == ((note,) if banded else ())
     (s,) = report.servers
     check_against_rows(s, rows, Buckets())
     # The table in effect is the one the daemon left the server on.

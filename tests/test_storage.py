@@ -148,7 +148,8 @@ def test_acceptance_at_reads_the_rows_of_given_ticks(db_url):
         st.record_tick(
             bands=[BandObservationRecord(s, t, 1, 3, 5, 10, 12, 10, 2)
                    for s in (A, B) for t in (1.5, 2.5, 3.5)],
-            depths=[DepthCountsRecord(s, t, 3, (1, 1, 1, 7), 8) for s in (A, B) for t in (1.5, 2.5)],
+            depths=[DepthCountsRecord(s, t, 3, (1, 1, 1, 7), 8)
+                    for s in (A, B) for t in (1.5, 2.5)],
         )
         bands, depths = st.acceptance_at([(A, 2.5), (B, 1.5), (B, 3.5)])
         assert [(r.server, r.ts) for r in bands] == [(A, 2.5), (B, 1.5), (B, 3.5)]  # id order

@@ -73,6 +73,10 @@ SOURCES = ("auto", "policy", "data")
 # An arm needs this many sampling intervals in a bucket to be chosen from data: a handful of
 # intervals gives an interval too wide to stand against an arm measured a hundred times.
 DEFAULT_MIN_INTERVALS = 5
+# Said where the data source's arms ran under banded tables (protocol v2).
+BANDED_DATA_NOTE = ("the server ran banded tables: each arm's goodput in the data is over the "
+                    "acceptance bands that chose it, so the best arm by the data may not be "
+                    "the best on all traffic (--source policy exports the table it ran)")
 # Marks our files; SGLang ignores non-digit top-level keys except as slot defaults, and a
 # slot reads only the fields it knows.
 SGLANG_ADAPTIVE_FORMAT = "dynspec-sglang-adaptive/1"
@@ -221,9 +225,7 @@ def learned_table(
     except ConfigError as exc:
         raise ConfigError(f"{server}: {exc} in {storage.url}") from None
     if srv.table is not None and srv.table.bands is not None:
-        notes = (*notes, "the server ran banded tables: each arm's goodput in the data is over "
-                 "the acceptance bands that chose it, so the best arm by the data may not be "
-                 "the best on all traffic (--source policy exports the table it ran)")
+        notes = (*notes, BANDED_DATA_NOTE)
     return LearnedTable(
         server=server, arms=srv.arms, table=table, source="data", version=None,
         policy="greedy-by-data", decided_at=None, report=srv, buckets=buckets, notes=notes,
