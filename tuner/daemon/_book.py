@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -216,14 +217,14 @@ class _PolicyBook:
                             srv.address, exc)
         pending = self._buffer.pending(srv.address) if warm else []
         counts = _replay(policy, [*rows, *pending], set(arms), bands_set)
-        if counts[ObservationRecord]:
+        if counts["observations"]:
             pooled = f" (pool {self.config.pool})" if self.config.pool is not None else ""
             extra = "".join(
-                f", {n} {what}" for n, what in ((counts[BandObservationRecord], "band rows"),
-                                                (counts[DepthCountsRecord], "depth counts"))
-                if n)
+                f", {counts[key]} {what}"
+                for key, what in (("bands", "band rows"), ("depths", "depth counts"))
+                if counts[key])
             log.info("%s: warm start from %d stored observations%s (%d decode steps%s)",
-                     srv.address, counts[ObservationRecord], pooled, counts["steps"], extra)
+                     srv.address, counts["observations"], pooled, counts["steps"], extra)
         srv.policy = policy
         return bands_set
 
@@ -295,7 +296,7 @@ class _PolicyBook:
             rows.sort(key=_learnt_order)
             with policy.lock:  # a worker of a slow server may hold it: fed as one batch
                 fed = _replay(policy.policy, rows, set(arms), policy.bands_set)
-                policy.pooled += fed[ObservationRecord]
+                policy.pooled += fed["observations"]
 
 
 _RANK = {ObservationRecord: 0, BandObservationRecord: 1, DepthCountsRecord: 2}
@@ -308,24 +309,25 @@ def _learnt_order(row: LearningRow) -> tuple[float, int]:
 
 
 def _replay(policy: BasePolicy, rows: Sequence[LearningRow], arms: set[int],
-            bands: bool) -> dict[Any, int]:
+            bands: bool) -> Counter[str]:
     """Feed stored rows of ``arms`` to a fresh policy as the live loop fed them; returns
-    how many of each kind it took (and their observations' decode steps, ``"steps"``)."""
-    counts: dict[Any, int] = dict.fromkeys(
-        (ObservationRecord, BandObservationRecord, DepthCountsRecord, "steps"), 0)
+    how many ``observations``, ``bands`` and ``depths`` it took, and the observations'
+    decode ``steps``."""
+    took: Counter[str] = Counter()
     update_depths = getattr(policy, "update_depths", None)
     for r in rows:
         if r.k not in arms:
             continue
         if isinstance(r, ObservationRecord):
-            took = policy.update(Observation(r.b, r.k, r.decode_steps, r.emitted_tokens,
-                                             r.accepted_drafts, r.drafted_tokens, r.busy_s))
-            counts["steps"] += r.decode_steps if took else 0
+            if policy.update(Observation(r.b, r.k, r.decode_steps, r.emitted_tokens,
+                                         r.accepted_drafts, r.drafted_tokens, r.busy_s)):
+                took["observations"] += 1
+                took["steps"] += r.decode_steps
         elif isinstance(r, BandObservationRecord):
-            took = bands and policy.update_bands(BandObservation(  # type: ignore[attr-defined]
-                r.band, r.k, r.decode_steps, r.request_steps, r.accepted_drafts,
-                r.first_counted, r.first_rejected))
+            took["bands"] += bool(bands and policy.update_bands(  # type: ignore[attr-defined]
+                BandObservation(r.band, r.k, r.decode_steps, r.request_steps,
+                                r.accepted_drafts, r.first_counted, r.first_rejected)))
         else:
-            took = callable(update_depths) and update_depths(r.k, list(r.counts), r.every)
-        counts[type(r)] += bool(took)
-    return counts
+            took["depths"] += bool(callable(update_depths)
+                                   and update_depths(r.k, list(r.counts), r.every))
+    return took
