@@ -45,8 +45,7 @@ class PoolingMixin(StorageCore):
         With ``pool``, the rows of every server recorded in that pool (identical replicas,
         ``run --pool``) count as well as the server's own; with ``model`` too, only those of
         pool-mates last seen running that model (or never seen saying)."""
-        q = obs_query(None if pool is not None else server, since, None, arms)
-        q = self._pooled(q, server, pool, model)
+        q = self._of_server(obs_query(None, since, None, arms), server, pool, model)
         q = (
             q.order_by(ObservationModel.ts.desc(), ObservationModel.id.desc())
             .limit(limit)
@@ -75,21 +74,14 @@ class PoolingMixin(StorageCore):
         if not self._v4:  # a read-only look at an older history
             return [], []
         wanted = sorted({int(a) for a in arms})
-        b, d = BandObservationModel, DepthCountsModel
-        bq = select(ServerModel.address, b.ts, b.band, b.k, b.decode_steps, b.request_steps,
-                    b.accepted_drafts, b.first_counted, b.first_rejected)
-        dq = select(ServerModel.address, d.ts, d.k, d.counts_json, d.every)
-        out: list[list[Any]] = []
+        out = []
         with self._session_scope("reading acceptance evidence for a warm start") as s:
-            for model_cls, q in ((b, bq), (d, dq)):
-                q = q.join(ServerModel, model_cls.server_id == ServerModel.id)
-                if pool is None:
-                    q = q.where(ServerModel.address == server)
-                q = in_window(self._pooled(q, server, pool, model), model_cls.ts, since, None)
+            for model_cls, q in _acceptance_selects():
+                q = in_window(self._of_server(q, server, pool, model), model_cls.ts, since, None)
                 q = (q.where(model_cls.k.in_(wanted))
                      .order_by(model_cls.ts.desc(), model_cls.id.desc()).limit(limit))
                 out.append(list(s.execute(q))[::-1])
-        return [BandObservationRecord(*row) for row in out[0]], _depth_records(out[1])
+        return _acceptance_records(*out)
 
     def acceptance_at(
         self, ticks: Iterable[tuple[str, float]]
@@ -101,26 +93,19 @@ class PoolingMixin(StorageCore):
         if not wanted or not self._v4:
             return [], []
         addresses, times = sorted({a for a, _ in wanted}), sorted({t for _, t in wanted})
-        b, d = BandObservationModel, DepthCountsModel
-        out: list[list[Any]] = []
+        out = []
         with self._session_scope("reading the pool's acceptance evidence") as s:
-            for model_cls, cols in (
-                (b, (b.ts, b.band, b.k, b.decode_steps, b.request_steps, b.accepted_drafts,
-                     b.first_counted, b.first_rejected)),
-                (d, (d.ts, d.k, d.counts_json, d.every)),
-            ):
-                q = (select(ServerModel.address, *cols)
-                     .join(ServerModel, model_cls.server_id == ServerModel.id)
-                     .where(ServerModel.address.in_(addresses), model_cls.ts.in_(times))
+            for model_cls, q in _acceptance_selects():
+                q = (q.where(ServerModel.address.in_(addresses), model_cls.ts.in_(times))
                      .order_by(model_cls.id))
                 out.append([row for row in s.execute(q) if (row[0], row[1]) in wanted])
-        return [BandObservationRecord(*row) for row in out[0]], _depth_records(out[1])
+        return _acceptance_records(*out)
 
-    def _pooled(self, q: Any, server: str, pool: str | None, model: str | None) -> Any:
+    def _of_server(self, q: Any, server: str, pool: str | None, model: str | None) -> Any:
         """``q`` over ``server``'s rows and, with ``pool``, its pool-mates' (with ``model``:
         those last seen running it, or never seen saying)."""
         if pool is None:
-            return q
+            return q.where(ServerModel.address == server)
         mates = ServerModel.pool == pool
         if model is not None and self._v3:
             mates &= or_(ServerModel.model.is_(None), ServerModel.model == model)
@@ -189,13 +174,29 @@ def _excluding(q: Any, exclude: Iterable[str]) -> Any:
     return q.where(ServerModel.address.not_in(skip)) if skip else q
 
 
-def _depth_records(rows: Iterable[Any]) -> list[DepthCountsRecord]:
-    """``(address, ts, k, counts_json, every)`` rows as records; a hand-edited row that is
-    not depth counts is left out (a warm start goes without it)."""
+def _acceptance_selects() -> tuple[tuple[Any, Any], ...]:
+    """Band observation and depth count rows with their server's address, in their
+    records' field order (the JSON counts still to decode): (model, select) each."""
+    b, d = BandObservationModel, DepthCountsModel
+    return tuple(
+        (m, select(ServerModel.address, *cols).join(ServerModel, m.server_id == ServerModel.id))
+        for m, cols in (
+            (b, (b.ts, b.band, b.k, b.decode_steps, b.request_steps, b.accepted_drafts,
+                 b.first_counted, b.first_rejected)),
+            (d, (d.ts, d.k, d.counts_json, d.every)),
+        )
+    )
+
+
+def _acceptance_records(
+    bands: Iterable[Any], depths: Iterable[Any]
+) -> tuple[list[BandObservationRecord], list[DepthCountsRecord]]:
+    """Rows of :func:`_acceptance_selects` as records; a hand-edited depth row that is not
+    depth counts is left out (a warm start goes without it)."""
     out = []
-    for addr, ts, k, counts, every in rows:
+    for addr, ts, k, counts, every in depths:
         try:
             out.append(DepthCountsRecord(addr, ts, k, tuple(json.loads(counts)), every))
         except (ValueError, TypeError):
             continue
-    return out
+    return [BandObservationRecord(*row) for row in bands], out

@@ -92,8 +92,6 @@ class RollupMixin(StorageCore):
             if server is not None:
                 ids = ids.where(ServerModel.address == server)
             server_ids = list(s.scalars(ids))
-            # Rows above this id (SQLite: committed after it was read) wait for the next
-            # roll-up; the merged rows, inserted above it, are never deleted below.
             dropped = 0
             for model in (BandObservationModel, DepthCountsModel):
                 dropped += s.execute(
@@ -103,6 +101,8 @@ class RollupMixin(StorageCore):
             if dropped:
                 log.info("%s: dropped %d band and depth rows before %.0f", self.url, dropped,
                          cutoff)
+            # Rows above this id (SQLite: committed after it was read) wait for the next
+            # roll-up; the merged rows, inserted above it, are never deleted below.
             top = s.scalar(select(func.max(o.id)))
             if top is None:
                 return 0

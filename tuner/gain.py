@@ -23,10 +23,11 @@ weight rests on measurements alone; buckets where an arm has neither are left ou
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["BASELINES", "Z95", "ArmValue", "BucketValues", "Gain", "estimate_gain", "table_arm"]
+__all__ = ["BASELINES", "Z95", "ArmValue", "BucketValues", "Gain", "as_ran", "estimate_gain",
+           "table_arm"]
 
 BASELINES = ("start", "k0", "always")
 Z95 = 1.959964
@@ -37,6 +38,19 @@ class ArmValue:
     goodput: float
     se: float
     measured: bool
+
+
+def as_ran(parts: Iterable[tuple[float, ArmValue]]) -> ArmValue | None:
+    """A bucket's arms together, each goodput weighed by its busy seconds (the ``float`` of
+    each part), errors taken as independent: what a banded row yielded as it ran, each arm
+    only in the acceptance bands that chose it. None without busy time."""
+    parts = [(w, v) for w, v in parts if w > 0]
+    busy = sum(w for w, _ in parts)
+    if not busy:
+        return None
+    return ArmValue(sum(w * v.goodput for w, v in parts) / busy,
+                    math.sqrt(sum((w * v.se) ** 2 for w, v in parts)) / busy,
+                    all(v.measured for _, v in parts))
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,6 +45,7 @@ from tuner.protocol import (
     BandTable,
     ProtocolError,
     Table,
+    as_band_table,
     band_agnostic,
     band_table_to_json,
     is_uniform,
@@ -258,7 +259,7 @@ class PolicyFile:
         if isinstance(self.policy_version, bool) or self.policy_version < 0:
             raise ValueError(f"policy_version must be >= 0, got {self.policy_version}")
         if self.bands is not None:
-            bands = validate_band_table(_band_rows(self.bands), arms)
+            bands = _checked_bands(self.bands, arms)
             if band_agnostic(bands) != self.table:
                 raise ValueError("bands: each row's unknown-band k must be the table's, got "
                                  f"{band_table_to_json(bands)} for {table_to_json(self.table)}")
@@ -323,12 +324,12 @@ class PolicyFile:
         Raises:
             ProtocolError: if the table names an arm the server did not build.
         """
-        return validate_band_table(_band_rows(self.bands or self.table), arms)
+        return _checked_bands(self.bands or self.table, arms)
 
 
-def _band_rows(table: Table | BandTable) -> list[list[int | None]]:
-    """A v1 or banded table as rows :func:`validate_band_table` reads."""
-    return [[b, *k] if isinstance(k, tuple) else [b, k] for b, k in table]
+def _checked_bands(table: Table | BandTable, arms: Iterable[int]) -> BandTable:
+    """A v1 or banded table as a banded one, every ``k`` among ``arms``."""
+    return validate_band_table(band_table_to_json(as_band_table(table)), arms)
 
 
 def _parse(obj: object) -> PolicyFile:

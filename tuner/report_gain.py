@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from policies import Buckets, Observation, make_policy, sum_by_arm
-from tuner.gain import Z95, ArmValue, BucketValues, Gain, estimate_gain, table_arm
+from tuner.gain import Z95, ArmValue, BucketValues, Gain, as_ran, estimate_gain, table_arm
 from tuner.protocol import sglang_start_arm
 from tuner.report import ServerReport, always_arm, summarize
 from tuner.switchback import t975
@@ -122,15 +122,12 @@ def _values(s: ServerReport, model, banded: bool = False) -> list[BucketValues]:
         for (i, k), v in model.items():
             if i == bk.index and k not in arms:
                 arms[k] = v
-        busy = sum(a.busy_s for a in bk.arms)
-        ran = [(a.busy_s / busy, arms[a.arm]) for a in bk.arms
-               if busy > 0 and a.arm in arms and arms[a.arm].measured]
-        if banded and ran:
-            share = sum(w for w, _ in ran)
-            arms[AS_RAN] = ArmValue(sum(w * v.goodput for w, v in ran) / share,
-                                    math.sqrt(sum((w * v.se) ** 2 for w, v in ran)) / share,
-                                    True)
-        values.append(BucketValues(busy, bk.high if bk.high is not None else bk.low, arms))
+        ran = as_ran((a.busy_s, arms[a.arm]) for a in bk.arms
+                     if a.arm in arms and arms[a.arm].measured) if banded else None
+        if ran is not None:
+            arms[AS_RAN] = ran
+        values.append(BucketValues(sum(a.busy_s for a in bk.arms),
+                                   bk.high if bk.high is not None else bk.low, arms))
     return values
 
 

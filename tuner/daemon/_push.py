@@ -56,7 +56,7 @@ class _Pusher:
                                     bo.request_steps, bo.accepted_drafts, bo.first_counted,
                                     bo.first_rejected) for bo in srv.band_obs),
             *(DepthCountsRecord(srv.address, now, d.k, tuple(d.counts), DEPTH_EVERY)
-              for d in srv.depth_obs if d.k >= 1 and len(d.counts) == d.k + 1),
+              for d in srv.depth_obs),
         ])
         srv.band_obs, srv.depth_obs = [], []
         srv.observations += used

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from policies import Buckets
 from tuner.errors import ConfigError
+from tuner.gain import ArmValue, as_ran
 from tuner.report._model import (
     DEFAULT_TIME_BINS,
     REPORT_EVENT_KINDS,
@@ -176,14 +177,11 @@ def _gain(a: ArmStat | None, base: ArmStat | None) -> float | None:
 
 
 def _as_ran(stats: Sequence[ArmStat]) -> ArmStat | None:
-    """A bucket's arms together, each goodput weighed by its busy time: what a banded row
-    yielded as it ran (an arm only in the bands that chose it)."""
-    ran = [a for a in stats if math.isfinite(a.goodput) and a.busy_s > 0]
-    busy = sum(a.busy_s for a in ran)
-    if not busy:
-        return None
-    good = sum(a.busy_s * a.goodput for a in ran) / busy
-    return replace(ran[0], arm=-1, goodput=good, ci_low=None, ci_high=None)
+    """A banded row's arms together as it ran (:func:`tuner.gain.as_ran`), as an arm."""
+    ran = as_ran((a.busy_s, ArmValue(a.goodput, 0.0, True)) for a in stats
+                 if math.isfinite(a.goodput))
+    return None if ran is None else replace(stats[0], arm=-1, goodput=ran.goodput,
+                                            ci_low=None, ci_high=None)
 
 
 def _crossover(buckets: Sequence[BucketReport]) -> int | None:

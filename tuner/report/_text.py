@@ -7,7 +7,7 @@ import textwrap
 from collections.abc import Sequence
 from datetime import datetime, timezone
 
-from tuner.protocol import format_band_table
+from tuner.protocol import BandIndex, format_band_table
 from tuner.report._model import TEXT_WIDTH, Report, ServerReport, VersionEntry
 
 
@@ -119,7 +119,7 @@ def _server_text(s: ServerReport, width: int) -> list[str]:
         any_rows = True
         chosen = f"k{bk.chosen if bk.chosen is not None else '-'}"
         if bands is not None:  # the row as it runs: k<unknown band>/<bands 1..>
-            ks = next(ks for b, ks in bands if b is None or b >= (bk.high or bk.low))
+            ks = BandIndex(bands).ks_for(bk.high if bk.high is not None else bk.low)
             chosen = f"k{ks[0]}/{','.join(map(str, ks[1:]))}" if len(set(ks)) > 1 else chosen
         head = (
             f"{bk.label:<9} chosen {chosen}"
